@@ -1,0 +1,84 @@
+"""Shared test fixtures: small models with scaled weights, gradient streams,
+and drivers that apply them eagerly, in `tf.function` or per replica."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def make_model(seed=0, weight_scales=(3.0, 0.5, 0.2, 0.05)):
+    """Two Dense layers (paths sequential/dense/kernel, .../dense/bias,
+    .../head/kernel, .../head/bias) with weights whose norms differ by
+    orders of magnitude."""
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(6, name="dense"),
+            keras.layers.Dense(3, name="head"),
+        ]
+    )
+    rng = np.random.default_rng(seed)
+    model.set_weights(
+        [
+            (rng.standard_normal(w.shape) * scale).astype(np.float32)
+            for w, scale in zip(model.get_weights(), weight_scales)
+        ]
+    )
+    return model
+
+
+def gradient_stream(shapes, steps, replicas=1, scales=None, seed=1):
+    """Random gradients, shape [steps][replicas][variable]; per-variable
+    scales make some layers' gradients large and others small."""
+    rng = np.random.default_rng(seed)
+    scales = scales or [1.0] * len(shapes)
+    return [
+        [
+            [(rng.standard_normal(s) * c).astype(np.float32) for s, c in zip(shapes, scales)]
+            for _ in range(replicas)
+        ]
+        for _ in range(steps)
+    ]
+
+
+def mean_over_replicas(stream):
+    """[steps][replicas][var] -> [steps][var], the gradient Keras applies."""
+    return [
+        [np.mean([replica[i] for replica in step], axis=0, dtype=np.float64)
+         for i in range(len(step[0]))]
+        for step in stream
+    ]
+
+
+def apply_stream(optimizer, variables, stream, compiled=False):
+    """Applies replica-0 gradients of each step on one device."""
+    def step(grads):
+        optimizer.apply(grads, variables)
+
+    if compiled:
+        step = tf.function(step)
+    for grads in stream:
+        step([tf.constant(g) for g in grads[0]])
+
+
+def apply_stream_mirrored(strategy, optimizer, variables, stream):
+    """Each replica applies its own gradient, scaled by 1/R as Keras scales a
+    replica's loss, so that Keras' all-reduce SUM yields the mean."""
+    replicas = strategy.num_replicas_in_sync
+    assert len(stream[0]) == replicas
+
+    @tf.function
+    def step(stacked):
+        def replica_fn():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            grads = [tf.gather(g, replica) / replicas for g in stacked]
+            optimizer.apply(grads, variables)
+
+        strategy.run(replica_fn)
+
+    for grads in stream:
+        stacked = [
+            tf.constant(np.stack([replica[i] for replica in grads]))
+            for i in range(len(grads[0]))
+        ]
+        step(stacked)

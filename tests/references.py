@@ -1,0 +1,88 @@
+"""Independent numpy references of the update rules (ALGORITHMS.md).
+
+Written from the rules' statements, not from the package's code; every
+comparison goes through `assert_close`, which records the worst relative
+error per reference for the summary printed at the end of the test run.
+"""
+
+import numpy as np
+
+WORST_RELATIVE_ERRORS = {}
+
+
+def relative_error(actual, expected):
+    """max |actual - expected| / max |expected| (inf-norm relative error)."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = max(np.max(np.abs(expected)), 1e-30)
+    return float(np.max(np.abs(actual - expected)) / scale)
+
+
+def assert_close(actual, expected, name, rtol=2e-5):
+    """Asserts inf-norm relative closeness and records the error."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+    assert np.all(np.isfinite(actual)), f"{name}: non-finite values"
+    error = relative_error(actual, expected)
+    WORST_RELATIVE_ERRORS[name] = max(WORST_RELATIVE_ERRORS.get(name, 0.0), error)
+    assert error <= rtol, f"{name}: relative error {error:.3e} > {rtol:.1e}"
+
+
+def norm(x):
+    return np.sqrt(np.sum(np.square(x, dtype=np.float64)))
+
+
+# --- LARS (ALGORITHMS.md §4, Model Garden classic momentum) ---------------
+
+
+def lars_step(w, g, v, lr, momentum=0.9, nesterov=False, trust_coefficient=0.001,
+              weight_decay_rate=0.0, decay=True, adapt=True):
+    """One LARS step; returns (new_w, new_v). float64 throughout."""
+    w, g, v = (np.asarray(x, np.float64) for x in (w, g, v))
+    u = g + weight_decay_rate * w if decay else g
+    trust = 1.0
+    if adapt and norm(w) > 0 and norm(u) > 0:
+        trust = trust_coefficient * norm(w) / norm(u)
+    new_v = momentum * v + lr * trust * u
+    step = momentum * new_v + lr * trust * u if nesterov else new_v
+    return w - step, new_v
+
+
+# --- LARC (ALGORITHMS.md §5, Apex) -----------------------------------------
+
+
+def larc_gradient(w, g, lr, trust_coefficient=0.02, clip=True, epsilon=1e-8,
+                  weight_decay=0.0):
+    w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
+    w_norm, g_norm = norm(w), norm(g)
+    if not (w_norm > 0 and g_norm > 0):
+        return g
+    a = trust_coefficient * w_norm / (g_norm + weight_decay * w_norm + epsilon)
+    factor = min(a / lr, 1.0) if clip else a
+    return (g + weight_decay * w) * factor
+
+
+# --- Keras base optimizers ---------------------------------------------------
+
+
+def keras_sgd_step(w, g, m, lr, momentum=0.0, nesterov=False):
+    """keras.optimizers.SGD: m <- momentum*m - lr*g; w <- w + m (nesterov:
+    w <- w + momentum*m - lr*g)."""
+    w, g, m = (np.asarray(x, np.float64) for x in (w, g, m))
+    if momentum == 0:
+        return w - lr * g, m
+    m = momentum * m - lr * g
+    if nesterov:
+        return w + momentum * m - lr * g, m
+    return w + m, m
+
+
+def keras_adam_step(w, g, m, v, t, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    """keras.optimizers.Adam at step t (from 1): epsilon outside the
+    bias-corrected square root, lr folded with the corrections."""
+    w, g, m, v = (np.asarray(x, np.float64) for x in (w, g, m, v))
+    m = beta_1 * m + (1 - beta_1) * g
+    v = beta_2 * v + (1 - beta_2) * g * g
+    lr_t = lr * np.sqrt(1 - beta_2**t) / (1 - beta_1**t)
+    return w - lr_t * m / (np.sqrt(v) + epsilon), m, v

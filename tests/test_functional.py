@@ -1,0 +1,95 @@
+"""Each pure piece of tf_vrgd.functional against its numpy reference."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import references as ref
+from tf_vrgd import functional
+
+RNG = np.random.default_rng(0)
+
+
+def _tensor(shape, scale):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("w_scale,u_scale", [(5.0, 1e-3), (1e-3, 5.0), (1.0, 1.0)])
+def test_trust_ratio_matches_numpy(w_scale, u_scale):
+    w, u = _tensor((7, 5), w_scale), _tensor((7, 5), u_scale)
+    got = functional.trust_ratio(
+        functional.l2_norm(w), functional.l2_norm(u), 0.01
+    )
+    ref.assert_close(got, 0.01 * ref.norm(w) / ref.norm(u), "functional.trust_ratio")
+
+
+def test_trust_ratio_is_one_on_zero_norms():
+    zero, positive = tf.constant(0.0), tf.constant(3.0)
+    for w_norm, u_norm in [(zero, positive), (positive, zero), (zero, zero)]:
+        assert float(functional.trust_ratio(w_norm, u_norm, 0.01)) == 1.0
+
+
+def test_l2_norm_matches_numpy():
+    x = _tensor((3, 4, 5), 2.0)
+    ref.assert_close(functional.l2_norm(x), ref.norm(x), "functional.l2_norm")
+
+
+@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("g_scale", [1e-3, 10.0])
+def test_larc_gradient_matches_numpy(clip, weight_decay, g_scale):
+    w, g = _tensor((6, 3), 2.0), _tensor((6, 3), g_scale)
+    got = functional.larc_gradient(
+        tf.constant(g), tf.constant(w), 0.1, 0.02, 1e-8, weight_decay, clip
+    )
+    expected = ref.larc_gradient(w, g, 0.1, 0.02, clip, 1e-8, weight_decay)
+    ref.assert_close(got, expected, "functional.larc_gradient")
+
+
+def test_larc_factor_clip_is_active_only_when_rate_exceeds_adaptive_rate():
+    w_norm, lr = tf.constant(10.0), 0.1
+    # a = 0.02 * 10 / 1 = 0.2 > lr: clip inactive, factor 1.
+    factor, active = functional.larc_factor(w_norm, tf.constant(1.0), lr, 0.02, 0.0, 0.0, True)
+    assert bool(active) and float(factor) == 1.0
+    # a = 0.02 * 10 / 100 = 0.002 < lr: factor a / lr = 0.02.
+    factor, _ = functional.larc_factor(w_norm, tf.constant(100.0), lr, 0.02, 0.0, 0.0, True)
+    np.testing.assert_allclose(float(factor), 0.02, rtol=1e-6)
+
+
+def test_larc_gradient_leaves_zero_norm_variables_unchanged():
+    g = _tensor((4,), 1.0)
+    zero = np.zeros((4,), np.float32)
+    # Zero weights: gradient passes unscaled and undecayed (Apex policy).
+    np.testing.assert_array_equal(
+        functional.larc_gradient(tf.constant(g), tf.constant(zero), 0.1, 0.02, 1e-8, 0.5, True), g
+    )
+    # Zero gradient: stays zero, no decay term added.
+    np.testing.assert_array_equal(
+        functional.larc_gradient(tf.constant(zero), tf.constant(g), 0.1, 0.02, 1e-8, 0.5, True), zero
+    )
+
+
+def test_larc_gradient_with_zero_learning_rate_is_finite():
+    g, w = _tensor((4,), 1.0), _tensor((4,), 1.0)
+    got = functional.larc_gradient(tf.constant(g), tf.constant(w), 0.0, 0.02, 1e-8, 0.0, True)
+    np.testing.assert_allclose(got, g, rtol=1e-6)
+
+
+@pytest.mark.parametrize("adapt", [True, False])
+@pytest.mark.parametrize("weight_decay_rate", [0.0, 0.05])
+def test_lars_direction_matches_numpy(adapt, weight_decay_rate):
+    w, g = _tensor((5, 5), 3.0), _tensor((5, 5), 1e-2)
+    got = functional.lars_direction(tf.constant(g), tf.constant(w), weight_decay_rate, 0.001, adapt)
+    u = g.astype(np.float64) + weight_decay_rate * w
+    trust = 0.001 * ref.norm(w) / ref.norm(u) if adapt else 1.0
+    ref.assert_close(got, trust * u, "functional.lars_direction")
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_step_matches_numpy(nesterov):
+    v, update = _tensor((6,), 1.0), _tensor((6,), 0.5)
+    new_v, step = functional.momentum_step(tf.constant(v), tf.constant(update), 0.9, nesterov)
+    expected_v = 0.9 * v.astype(np.float64) + update
+    expected_step = 0.9 * expected_v + update if nesterov else expected_v
+    ref.assert_close(new_v, expected_v, "functional.momentum_step")
+    ref.assert_close(step, expected_step, "functional.momentum_step")

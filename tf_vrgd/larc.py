@@ -1,0 +1,191 @@
+"""LARC: layer-wise adaptive rate control as a wrapper (NVIDIA Apex semantics).
+
+Described in NVIDIA OpenSeq2Seq's optimizer documentation (clipping rule) and
+implemented by the historical Apex wrapper `apex/parallel/LARC.py` (clipping
+and scaling modes, coupled weight decay, zero-norm policy). The Apex wrapper
+did not save its own settings with the optimizer state; this one does.
+"""
+
+import keras
+import tensorflow as tf
+
+from tf_vrgd import _validation
+from tf_vrgd import functional
+
+
+@keras.saving.register_keras_serializable(package="tf_vrgd")
+class LARC(keras.optimizers.Optimizer):
+    """Layer-wise Adaptive Rate Control wrapped around any Keras optimizer.
+
+    Per variable `w`, on the cross-replica reduced gradient `g` (after
+    Keras' clipping and gradient accumulation, never on a replica's partial
+    gradient), with `lr` the wrapped optimizer's current learning rate and
+    `d = weight_decay`:
+
+        if ||w|| > 0 and ||g|| > 0:
+            a = trust_coefficient * ||w|| / (||g|| + d * ||w|| + epsilon)
+            f = min(a / lr, 1)   (clip=True: effective SGD rate min(a, lr))
+            f = a                (clip=False: scaling mode, LARS-like)
+            g <- (g + d * w) * f
+        else:
+            g unchanged (Apex: no decay on this branch either)
+        the wrapped optimizer applies g
+
+    With plain SGD (no momentum) and `d = 0`, clipping mode bounds each step
+    by `trust_coefficient * ||w||`. With momentum or adaptive optimizers the
+    bound applies to the gradient handed over, not to the final step.
+
+    `larc.inner_optimizer` is the wrapped optimizer; `learning_rate`,
+    `iterations` and `variables` are its own. LARC owns it: do not apply the
+    inner optimizer directly once it is wrapped. To combine with dynamic loss
+    scaling, wrap LARC in `keras.optimizers.LossScaleOptimizer` (Keras does
+    this itself under the "mixed_float16" policy), not the reverse.
+
+    Args:
+        optimizer: The Keras 3 optimizer to wrap (Keras' own or this
+            package's).
+        trust_coefficient: Float > 0. Defaults to 0.02 (Apex).
+        clip: Bool, clipping mode (True) or scaling mode (False). Defaults to
+            True.
+        epsilon: Float >= 0 added to the denominator. Defaults to 1e-8.
+        weight_decay: Float >= 0, Apex's coupled decay `d`. Defaults to 0.0.
+            To avoid decaying twice, give the wrapped optimizer no
+            `weight_decay` of its own.
+        name: String. Defaults to "larc".
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        trust_coefficient=0.02,
+        clip=True,
+        epsilon=1e-8,
+        weight_decay=0.0,
+        name=None,
+    ):
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise ValueError(
+                "`optimizer` must be a Keras 3 optimizer instance "
+                f"(keras.optimizers.Optimizer). Received: optimizer={optimizer!r}"
+            )
+        if isinstance(optimizer, (LARC, keras.optimizers.LossScaleOptimizer)):
+            raise ValueError(
+                "`optimizer` must not be a LARC or a LossScaleOptimizer: "
+                "LARC rewrites its optimizer's per-variable update, which "
+                "those wrappers delegate. Wrap LARC in a LossScaleOptimizer "
+                f"instead. Received: optimizer={optimizer!r}"
+            )
+        if getattr(optimizer, "_larc_owner", None) is not None:
+            raise ValueError(
+                "`optimizer` is already wrapped by another LARC. "
+                f"Received: optimizer={optimizer!r}"
+            )
+        trust_coefficient = _validation.check_number(
+            "trust_coefficient", trust_coefficient, low=0.0, low_open=True
+        )
+        clip = _validation.check_bool("clip", clip)
+        epsilon = _validation.check_number("epsilon", epsilon, low=0.0)
+        weight_decay = _validation.check_number(
+            "weight_decay", weight_decay, low=0.0
+        )
+        super().__init__(learning_rate=0.0, name=name or "larc")
+        self.inner_optimizer = optimizer
+        self.trust_coefficient = trust_coefficient
+        self.clip = clip
+        self.epsilon = epsilon
+        # Apex's coupled decay, not Keras' decoupled `weight_decay` (LARC
+        # never runs the base class' decay: the inner optimizer applies).
+        self.weight_decay = weight_decay
+        self._install_update_hook()
+
+    def _install_update_hook(self):
+        # Every Keras optimizer applies a variable's (reduced) gradient
+        # through `update_step`, called per variable and per device inside
+        # `distribution.extended.update`. Rewriting the gradient there keeps
+        # all of the inner optimizer's own machinery (all-reduce, clipping,
+        # accumulation, EMA, iterations) untouched.
+        inner = self.inner_optimizer
+        inner_update_step = inner.update_step
+
+        def update_step(gradient, variable, learning_rate):
+            return inner_update_step(
+                self._larc_gradient(gradient, variable, learning_rate),
+                variable,
+                learning_rate,
+            )
+
+        inner.update_step = update_step
+        inner._larc_owner = self
+
+    def _larc_gradient(self, gradient, variable, learning_rate):
+        weight = tf.cast(variable, tf.float32)
+        new_gradient = functional.larc_gradient(
+            functional.as_float32(gradient),
+            weight,
+            learning_rate,
+            self.trust_coefficient,
+            self.epsilon,
+            self.weight_decay,
+            self.clip,
+        )
+        return tf.cast(new_gradient, variable.dtype)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    def apply(self, grads, trainable_variables=None):
+        if not self.built:
+            if trainable_variables is None:
+                raise ValueError(
+                    "When passing `grads` without `variables`, the optimizer "
+                    "must already be built on a list of variables. "
+                    "Call `optimizer.build(trainable_variables)` first."
+                )
+            with keras.name_scope(self.name, caller=self):
+                self.build(list(trainable_variables))
+        self.inner_optimizer.apply(grads, trainable_variables)
+
+    @property
+    def variables(self):
+        return self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer
+            ),
+            "trust_coefficient": self.trust_coefficient,
+            "clip": self.clip,
+            "epsilon": self.epsilon,
+            "weight_decay": self.weight_decay,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        optimizer = keras.saving.deserialize_keras_object(
+            config.pop("optimizer"), custom_objects=custom_objects
+        )
+        return cls(optimizer, **config)
