@@ -33,8 +33,11 @@ def _clean_keras_state():
     keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def strategy():
+    # One strategy for the whole run: separate MirroredStrategy instances over
+    # the same devices reuse collective instance keys, and their all-reduces
+    # of different shapes then collide.
     devices = [f"/cpu:{i}" for i in range(NUM_LOGICAL_CPUS)]
     return tf.distribute.MirroredStrategy(devices)
 

@@ -66,6 +66,9 @@ def apply_stream_mirrored(strategy, optimizer, variables, stream):
     replica's loss, so that Keras' all-reduce SUM yields the mean."""
     replicas = strategy.num_replicas_in_sync
     assert len(stream[0]) == replicas
+    # As Keras' fit does: variables are created before the step is traced.
+    with strategy.scope():
+        optimizer.build(variables)
 
     @tf.function
     def step(stacked):

@@ -75,7 +75,7 @@ class LARC(keras.optimizers.Optimizer):
                 "those wrappers delegate. Wrap LARC in a LossScaleOptimizer "
                 f"instead. Received: optimizer={optimizer!r}"
             )
-        if getattr(optimizer, "_larc_owner", None) is not None:
+        if getattr(optimizer, "_wrapped_by_larc", False):
             raise ValueError(
                 "`optimizer` is already wrapped by another LARC. "
                 f"Received: optimizer={optimizer!r}"
@@ -115,7 +115,9 @@ class LARC(keras.optimizers.Optimizer):
             )
 
         inner.update_step = update_step
-        inner._larc_owner = self
+        # A flag, not a reference back to LARC: Keras' saving walks the
+        # attributes of optimizers, and a cycle would make it recurse.
+        inner._wrapped_by_larc = True
 
     def _larc_gradient(self, gradient, variable, learning_rate):
         weight = tf.cast(variable, tf.float32)
@@ -163,6 +165,15 @@ class LARC(keras.optimizers.Optimizer):
     @property
     def iterations(self):
         return self.inner_optimizer.iterations
+
+    # The state is the inner optimizer's, which Keras' saving visits and
+    # stores under its own path ("optimizer/inner_optimizer"); storing it
+    # here too would double the optimizer state in every saved file.
+    def save_own_variables(self, store):
+        pass
+
+    def load_own_variables(self, store):
+        pass
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
