@@ -1,13 +1,27 @@
 """tf_vrgd: large-batch optimizers for Keras 3 on TensorFlow.
 
-LARS and the LARC wrapper, and (by ALGORITHMS.md) the VR family of
-"Accelerating Large Batch Training via Gradient Signal to Noise Ratio".
+LARS and the LARC wrapper, and the VR family of "Accelerating Large Batch
+Training via Gradient Signal to Noise Ratio" (VR-SGD/Momentum, VR-Adam,
+VR-LARS, VR-LAMB).
 """
 
 from tf_vrgd import functional
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
+from tf_vrgd.vr_adam import VRAdam
+from tf_vrgd.vr_lamb import VRLAMB
+from tf_vrgd.vr_lars import VRLARS
+from tf_vrgd.vr_sgd import VRSGD
 
 __version__ = "0.1.0"
 
-__all__ = ["LARC", "LARS", "functional", "__version__"]
+__all__ = [
+    "LARC",
+    "LARS",
+    "VRAdam",
+    "VRLAMB",
+    "VRLARS",
+    "VRSGD",
+    "functional",
+    "__version__",
+]

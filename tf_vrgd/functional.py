@@ -145,3 +145,91 @@ def momentum_step(velocity, scaled_update, momentum, nesterov):
     if nesterov:
         return new_velocity, momentum * new_velocity + scaled_update
     return new_velocity, new_velocity
+
+
+# --- Gradient signal-to-noise ratio (ALGORITHMS.md §1-3) ---------------------
+
+
+def gradient_moments(sum_of_gradients, sum_of_squares, replicas,
+                     accumulation_steps):
+    """Mean and second moment of the k = replicas x accumulation_steps
+    gradient samples, from the all-reduced sums of the scaled samples.
+
+    Under `tf.distribute`, Keras scales each replica's loss by 1/R, so a
+    replica contributes `g_d / R` (and `(g_d / R)^2`) for each of its A
+    micro-steps. With ``S1 = sum(g_d / R)`` and ``S2 = sum((g_d / R)^2)`` over
+    all k samples:
+
+        gbar = S1 / A          s = R * S2 / A
+
+    This is the only place where that scaling is undone.
+    """
+    steps = float(accumulation_steps)
+    gradient_mean = sum_of_gradients / steps
+    second_moment = sum_of_squares * (float(replicas) / steps)
+    return gradient_mean, second_moment
+
+
+def raw_gsnr(gradient_mean, second_moment, epsilon):
+    """Element-wise GSNR ``gbar^2 / max(var, epsilon * s)``, 0 where s == 0.
+
+    ``var = max(s - gbar^2, 0)`` is the population variance of the samples
+    (the paper's eq. 7). The floor ``epsilon * s`` lies above float32
+    cancellation noise in ``s - gbar^2``, so samples that agree to round-off
+    get one and the same value, and caps the ratio near ``1 / epsilon``.
+    """
+    variance = tf.maximum(second_moment - tf.square(gradient_mean), 0.0)
+    denominator = tf.maximum(variance, epsilon * second_moment)
+    positive = second_moment > 0.0
+    safe_denominator = tf.where(positive, denominator, 1.0)
+    return tf.where(positive, tf.square(gradient_mean) / safe_denominator, 0.0)
+
+
+def normalized_clipped_gsnr(gsnr, gamma):
+    """Divides by the layer (variable) mean and clips to [gamma, 1].
+
+    Eq. 8 and 9 of the paper; where the layer mean is 0 (no signal at all)
+    the normalised ratio is 1 everywhere.
+    """
+    layer_mean = tf.reduce_mean(gsnr)
+    positive = layer_mean > 0.0
+    normalized = tf.where(
+        positive, gsnr / tf.where(positive, layer_mean, 1.0), tf.ones_like(gsnr)
+    )
+    return tf.clip_by_value(normalized, gamma, 1.0)
+
+
+def gsnr_scale(gradient_mean, second_moment, gamma, epsilon):
+    """The per-element factor r of ALGORITHMS.md §2, in [gamma, 1]."""
+    return normalized_clipped_gsnr(
+        raw_gsnr(gradient_mean, second_moment, epsilon), gamma
+    )
+
+
+def gsnr_momentum(previous, gsnr, beta_3, step):
+    """Bias-corrected momentum of the GSNR (Algorithm 3).
+
+    ``p_t = beta_3 * p_{t-1} + (1 - beta_3) * r_t``,
+    ``phat = p_t / (1 - beta_3^t)`` with `step` = t counted from 1.
+
+    Returns:
+        ``(p_t, phat)``.
+    """
+    new = beta_3 * previous + (1.0 - beta_3) * gsnr
+    correction = 1.0 - tf.pow(tf.cast(beta_3, tf.float32), tf.cast(step, tf.float32))
+    return new, new / correction
+
+
+def adam_direction(m, v, gradient, beta_1, beta_2, epsilon, step):
+    """Bias-corrected Adam direction ``mhat / (sqrt(vhat) + epsilon)`` of
+    LAMB (Model Garden / You et al. 2020 form).
+
+    Returns:
+        ``(new_m, new_v, direction)``.
+    """
+    new_m = beta_1 * m + (1.0 - beta_1) * gradient
+    new_v = beta_2 * v + (1.0 - beta_2) * tf.square(gradient)
+    step = tf.cast(step, tf.float32)
+    m_hat = new_m / (1.0 - tf.pow(beta_1, step))
+    v_hat = new_v / (1.0 - tf.pow(beta_2, step))
+    return new_m, new_v, m_hat / (tf.sqrt(v_hat) + epsilon)

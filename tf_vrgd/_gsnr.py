@@ -1,0 +1,227 @@
+"""The cross-replica moment hook shared by every VR optimizer.
+
+This is the one place where per-replica gradients (and accumulated
+micro-steps) become ``(sum of samples, sum of squared samples)``, are
+all-reduced together, and are turned into the GSNR-scaled gradient that the
+base rule applies (ALGORITHMS.md §1-3, §6). It replaces Keras' TensorFlow
+update path, `_backend_apply_gradients`, which is private: the Keras range
+this is written for is pinned in `setup.cfg`, and
+`tests/test_vr_hook.py::test_keras_private_update_path_is_unchanged` fails,
+naming the method, if an upgrade changes it.
+
+Flow of one `apply` call (per replica, in replica context):
+
+1. Keras' clipping, then the local moments: ``g`` and ``g^2``, plus the
+   accumulators when `gradient_accumulation_steps = A` is set.
+2. One `merge_call` into cross-replica context, where a `tf.cond` (not in
+   replica context: Keras' own accumulation puts `merge_call` inside a cond
+   and fails under `MirroredStrategy`) either stores the local sums in the
+   per-replica accumulators, or, once per update:
+3. one `batch_reduce_to` SUM carries both sums for every variable, and
+4. per variable, inside `distribution.extended.update`, an XLA-compiled
+   function computes ``gbar, s`` -> GSNR -> (GSNR momentum) -> ``ghat`` and
+   hands ``ghat`` to the optimizer's `update_step`, the base rule.
+"""
+
+import keras
+import tensorflow as tf
+
+from tf_vrgd import _validation
+from tf_vrgd import functional
+
+
+class GSNRMixin:
+    """Turns a Keras optimizer into its VR twin. Host classes call
+    `_init_gsnr` from `__init__` and list this mixin before the base
+    optimizer class."""
+
+    def _init_gsnr(self, gamma, beta_3, gsnr_epsilon, jit_update):
+        self.gamma = _validation.check_number(
+            "gamma", gamma, low=0.0, high=1.0, low_open=True
+        )
+        self.beta_3 = _validation.check_number(
+            "beta_3", beta_3, low=0.0, high=1.0, high_open=True
+        )
+        self.gsnr_epsilon = _validation.check_number(
+            "gsnr_epsilon", gsnr_epsilon, low=0.0, low_open=True
+        )
+        self.jit_update = _validation.check_bool("jit_update", jit_update)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        # GSNR statistics are float32 whatever the variable dtype.
+        def float32_slots(name):
+            return [
+                self.add_variable(
+                    shape=v.shape,
+                    dtype="float32",
+                    name=f"{v.path.replace('/', '_')}_{name}",
+                )
+                for v in var_list
+            ]
+
+        self._gsnr_momentums = (
+            float32_slots("gsnr_momentum") if self.beta_3 > 0 else [None] * len(var_list)
+        )
+        # Keras' own `_accumulated_gradients` (built by the base class when
+        # accumulating) holds the sums; the squares need a slot of their own.
+        self._accumulated_squares = (
+            float32_slots("squared_gradient_accumulator")
+            if self.gradient_accumulation_steps
+            else None
+        )
+        self._variable_updates = {}
+
+    # -- replica context ------------------------------------------------------
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        strategy = tf.distribute.get_strategy()
+        self._check_sample_count(strategy.num_replicas_in_sync)
+        replica_context = tf.distribute.get_replica_context()
+        if replica_context is None:
+            raise ValueError(
+                f"{type(self).__name__}.apply() must be called in a replica "
+                "context (inside `strategy.run`), where each replica holds its "
+                "own gradient."
+            )
+        grads = [functional.as_float32(g) for g in grads]
+        grads = self._clip_gradients(grads)
+        indices = [self._get_variable_index(v) for v in trainable_variables]
+        sums = list(grads)
+        squares = [tf.square(g) for g in grads]
+        if self.gradient_accumulation_steps:
+            sums = [
+                s + tf.cast(self._accumulated_gradients[i], tf.float32)
+                for s, i in zip(sums, indices)
+            ]
+            squares = [
+                s + self._accumulated_squares[i] for s, i in zip(squares, indices)
+            ]
+        replica_context.merge_call(
+            self._cross_replica_update,
+            args=(sums, squares, list(trainable_variables), indices),
+        )
+        if self.use_ema:
+            self._update_model_variables_moving_average(self._trainable_variables)
+
+    def _check_sample_count(self, replicas):
+        steps = self.gradient_accumulation_steps or 1
+        if replicas * steps < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs k >= 2 gradient samples per update "
+                "to estimate the gradient variance, with k = replicas x "
+                f"gradient_accumulation_steps; here k = {replicas} x {steps}. "
+                "Train under tf.distribute.MirroredStrategy with 2 or more "
+                "replicas (on a CPU-only machine, split the CPU with "
+                "tf.config.set_logical_device_configuration), or pass "
+                "gradient_accumulation_steps >= 2."
+            )
+
+    # -- cross-replica context ------------------------------------------------
+
+    def _cross_replica_update(self, distribution, sums, squares, variables, indices):
+        tf_variables = [
+            v.value if isinstance(v, keras.Variable) else v for v in variables
+        ]
+
+        def update():
+            # One collective for both sums of every variable.
+            reduced = distribution.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM,
+                list(zip(sums + squares, tf_variables + tf_variables)),
+            )
+            count = len(tf_variables)
+            learning_rate = tf.convert_to_tensor(self.learning_rate)
+            step = tf.cast(self.iterations + 1, tf.float32)
+            for j, (variable, index) in enumerate(zip(tf_variables, indices)):
+                distribution.extended.update(
+                    variable,
+                    self._variable_update(index),
+                    args=(reduced[j], reduced[count + j], learning_rate, step,
+                          distribution.num_replicas_in_sync),
+                    group=False,
+                )
+            if self.gradient_accumulation_steps:
+                for index in indices:
+                    for accumulator in (
+                        self._accumulated_gradients[index],
+                        self._accumulated_squares[index],
+                    ):
+                        distribution.extended.update(
+                            accumulator.value,
+                            lambda a: a.assign(tf.zeros_like(a)),
+                            group=False,
+                        )
+
+        if not self.gradient_accumulation_steps:
+            update()
+            return
+
+        def accumulate():
+            # Each replica keeps its own running sums: the accumulators'
+            # per-device components differ until the next update.
+            for j, index in enumerate(indices):
+                for accumulator, value in (
+                    (self._accumulated_gradients[index], sums[j]),
+                    (self._accumulated_squares[index], squares[j]),
+                ):
+                    distribution.extended.update(
+                        accumulator.value,
+                        lambda a, x: a.assign(tf.cast(x, a.dtype)),
+                        args=(value,),
+                        group=False,
+                    )
+
+        is_update_step = tf.equal(
+            (self._iterations + 1) % self.gradient_accumulation_steps, 0
+        )
+        tf.cond(is_update_step, update, accumulate)
+
+    def _variable_update(self, index):
+        """The per-variable VR update (XLA-compiled unless `jit_update` is
+        False), made once per variable and reused on every device and step."""
+        if index in self._variable_updates:
+            return self._variable_updates[index]
+        keras_variable = self._trainable_variables[index]
+        decays = bool(self.weight_decay) and self._use_weight_decay(keras_variable)
+        gsnr_momentum_slot = self._gsnr_momentums[index]
+        accumulation_steps = self.gradient_accumulation_steps or 1
+
+        def vr_update(variable, sum_of_gradients, sum_of_squares, learning_rate,
+                      step, replicas):
+            gradient_mean, second_moment = functional.gradient_moments(
+                sum_of_gradients, sum_of_squares, replicas, accumulation_steps
+            )
+            scale = functional.gsnr_scale(
+                gradient_mean, second_moment, self.gamma, self.gsnr_epsilon
+            )
+            if gsnr_momentum_slot is not None:
+                new_momentum, scale = functional.gsnr_momentum(
+                    gsnr_momentum_slot, scale, self.beta_3, step
+                )
+                gsnr_momentum_slot.assign(new_momentum)
+            scaled_gradient = scale * gradient_mean
+            if decays:  # Keras' decoupled weight decay, applied as Keras does.
+                variable.assign_sub(
+                    variable
+                    * tf.cast(self.weight_decay, variable.dtype)
+                    * tf.cast(learning_rate, variable.dtype)
+                )
+            self.update_step(
+                tf.cast(scaled_gradient, variable.dtype), variable, learning_rate
+            )
+
+        if self.jit_update:
+            vr_update = tf.function(vr_update, jit_compile=True)
+        self._variable_updates[index] = vr_update
+        return vr_update
+
+    def _gsnr_config(self):
+        return {
+            "gamma": self.gamma,
+            "beta_3": self.beta_3,
+            "gsnr_epsilon": self.gsnr_epsilon,
+            "jit_update": self.jit_update,
+        }
