@@ -86,3 +86,62 @@ def keras_adam_step(w, g, m, v, t, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
     v = beta_2 * v + (1 - beta_2) * g * g
     lr_t = lr * np.sqrt(1 - beta_2**t) / (1 - beta_1**t)
     return w - lr_t * m / (np.sqrt(v) + epsilon), m, v
+
+
+# --- GSNR (ALGORITHMS.md §1-3) ----------------------------------------------
+
+
+def gsnr_scale(samples, gamma, epsilon=1e-6):
+    """r of ALGORITHMS.md §2 from the k samples (axis 0) of one variable."""
+    samples = np.asarray(samples, np.float64)
+    mean = samples.mean(axis=0)
+    second = np.square(samples).mean(axis=0)
+    variance = np.maximum(second - mean**2, 0.0)
+    denominator = np.maximum(variance, epsilon * second)
+    raw = np.zeros_like(mean)
+    positive = second > 0
+    raw[positive] = mean[positive] ** 2 / denominator[positive]
+    layer_mean = raw.mean()
+    normalized = raw / layer_mean if layer_mean > 0 else np.ones_like(raw)
+    return np.clip(normalized, gamma, 1.0), mean
+
+
+def lamb_step(w, g, m, v, t, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-6,
+              weight_decay_rate=0.0, decay=True, adapt=True):
+    w, g, m, v = (np.asarray(x, np.float64) for x in (w, g, m, v))
+    m = beta_1 * m + (1 - beta_1) * g
+    v = beta_2 * v + (1 - beta_2) * g * g
+    u = (m / (1 - beta_1**t)) / (np.sqrt(v / (1 - beta_2**t)) + epsilon)
+    if decay:
+        u = u + weight_decay_rate * w
+    ratio = 1.0
+    if adapt and norm(w) > 0 and norm(u) > 0:
+        ratio = norm(w) / norm(u)
+    return w - lr * ratio * u, m, v
+
+
+class VRReference:
+    """VR optimizer reference: GSNR scaling then a base rule on ghat.
+
+    `base_step(i, w, ghat, slots, t)` returns (new_w, new_slots)."""
+
+    def __init__(self, weights, base_step, slot_count, gamma, beta_3,
+                 epsilon=1e-6):
+        self.weights = [np.asarray(w, np.float64) for w in weights]
+        self.slots = [[np.zeros_like(w) for _ in range(slot_count)] for w in self.weights]
+        self.p = [np.zeros_like(w) for w in self.weights]
+        self.base_step, self.gamma, self.beta_3, self.epsilon = base_step, gamma, beta_3, epsilon
+        self.t = 0
+
+    def update(self, samples_per_variable):
+        """samples_per_variable[i]: array [k, *shape] of variable i."""
+        self.t += 1
+        for i, samples in enumerate(samples_per_variable):
+            r, mean = gsnr_scale(samples, self.gamma, self.epsilon)
+            if self.beta_3 > 0:
+                self.p[i] = self.beta_3 * self.p[i] + (1 - self.beta_3) * r
+                r = self.p[i] / (1 - self.beta_3**self.t)
+            self.weights[i], self.slots[i] = self.base_step(
+                i, self.weights[i], r * mean, self.slots[i], self.t
+            )
+        return self.weights

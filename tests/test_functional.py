@@ -93,3 +93,77 @@ def test_momentum_step_matches_numpy(nesterov):
     expected_step = 0.9 * expected_v + update if nesterov else expected_v
     ref.assert_close(new_v, expected_v, "functional.momentum_step")
     ref.assert_close(step, expected_step, "functional.momentum_step")
+
+
+@pytest.mark.parametrize("replicas,steps", [(4, 1), (2, 3), (1, 5)])
+def test_gradient_moments_undo_keras_scaling(replicas, steps):
+    samples = RNG.standard_normal((replicas * steps, 6)).astype(np.float32)
+    scaled = samples / replicas  # what each replica's gradient holds
+    gbar, s = functional.gradient_moments(
+        tf.constant(scaled.sum(0)), tf.constant(np.square(scaled).sum(0)), replicas, steps
+    )
+    ref.assert_close(gbar, samples.astype(np.float64).mean(0), "functional.gradient_moments")
+    ref.assert_close(s, np.square(samples.astype(np.float64)).mean(0), "functional.gradient_moments")
+
+
+@pytest.mark.parametrize("gamma", [0.1, 0.5, 1.0])
+def test_gsnr_scale_matches_numpy(gamma):
+    samples = RNG.standard_normal((8, 5, 7)) + RNG.standard_normal((5, 7)) * 1.5
+    samples[:, 0, 0] = 0.0  # s == 0: raw GSNR 0, clipped to gamma
+    mean, second = samples.mean(0), np.square(samples).mean(0)
+    got = functional.gsnr_scale(
+        tf.constant(mean, tf.float32), tf.constant(second, tf.float32), gamma, 1e-6
+    )
+    expected, _ = ref.gsnr_scale(samples, gamma)
+    ref.assert_close(got, expected, "functional.gsnr_scale", rtol=5e-5)
+    assert float(got[0, 0]) == np.float32(gamma)
+    if gamma < 1:  # the inputs exercise both clip bounds
+        assert np.any(expected == gamma) and np.any(expected == 1.0)
+
+
+def test_gsnr_of_identical_samples_is_one_and_finite():
+    sample = RNG.standard_normal((4, 3)).astype(np.float32)
+    mean = tf.constant(sample)
+    second = tf.square(mean)  # k identical samples: var = 0 up to round-off
+    got = functional.gsnr_scale(mean, second, 0.1, 1e-6)
+    np.testing.assert_allclose(got, np.ones((4, 3)), rtol=1e-6)
+
+
+def test_gsnr_is_invariant_to_scaling_all_samples():
+    samples = RNG.standard_normal((6, 10)) + 0.5
+    base = ref.gsnr_scale(samples, 0.1)[0]
+    for c in (1e-3, 7.0):
+        scaled = samples * c
+        got = functional.gsnr_scale(
+            tf.constant(scaled.mean(0), tf.float32),
+            tf.constant(np.square(scaled).mean(0), tf.float32), 0.1, 1e-6,
+        )
+        ref.assert_close(got, base, "functional.gsnr_scale invariance", rtol=5e-5)
+
+
+def test_zero_gradient_layer_gives_scale_one():
+    zeros = tf.zeros((3, 3))
+    # ALGORITHMS.md §2: raw GSNR 0 everywhere, layer mean 0, r_n = 1.
+    np.testing.assert_array_equal(functional.gsnr_scale(zeros, zeros, 0.1, 1e-6), np.ones((3, 3)))
+
+
+@pytest.mark.parametrize("beta_3", [0.0, 0.9])
+def test_gsnr_momentum_matches_numpy(beta_3):
+    p = np.zeros(5)
+    p_tf = tf.zeros(5)
+    for t in range(1, 5):
+        r = RNG.uniform(0.1, 1.0, 5)
+        p = beta_3 * p + (1 - beta_3) * r
+        p_tf, phat = functional.gsnr_momentum(p_tf, tf.constant(r, tf.float32), beta_3, t)
+        ref.assert_close(phat, p / (1 - beta_3**t), "functional.gsnr_momentum")
+
+
+def test_adam_direction_matches_numpy():
+    m, v, g = np.zeros(6), np.zeros(6), RNG.standard_normal(6)
+    new_m, new_v, direction = functional.adam_direction(
+        tf.zeros(6), tf.zeros(6), tf.constant(g, tf.float32), 0.9, 0.999, 1e-6, 1.0
+    )
+    m = 0.1 * g
+    v = 0.001 * g * g
+    expected = (m / 0.1) / (np.sqrt(v / 0.001) + 1e-6)
+    ref.assert_close(direction, expected, "functional.adam_direction")
