@@ -13,10 +13,11 @@ Flow of one `apply` call (per replica, in replica context):
 
 1. Keras' clipping, then the local moments: ``g`` and ``g^2``, plus the
    accumulators when `gradient_accumulation_steps = A` is set.
+   Each replica keeps its running sums in on-read accumulators (reset after
+   the update's micro-step), with no communication.
 2. One `merge_call` into cross-replica context, where a `tf.cond` (not in
    replica context: Keras' own accumulation puts `merge_call` inside a cond
-   and fails under `MirroredStrategy`) either stores the local sums in the
-   per-replica accumulators, or, once per update:
+   and fails under `MirroredStrategy`) runs, once per update:
 3. one `batch_reduce_to` SUM carries both sums for every variable, and
 4. per variable, inside `distribution.extended.update`, an XLA-compiled
    function computes ``gbar, s`` -> GSNR -> (GSNR momentum) -> ``ghat`` and
@@ -50,28 +51,47 @@ class GSNRMixin:
     def build(self, var_list):
         if self.built:
             return
-        super().build(var_list)
+        # Keras' own accumulators are mirrored (only one replica's partial
+        # sum would be saved); ours replace them, so Keras must not build
+        # its own.
+        accumulation_steps = self.gradient_accumulation_steps
+        self.gradient_accumulation_steps = None
+        try:
+            super().build(var_list)
+        finally:
+            self.gradient_accumulation_steps = accumulation_steps
         # GSNR statistics are float32 whatever the variable dtype.
-        def float32_slots(name):
-            return [
-                self.add_variable(
-                    shape=v.shape,
-                    dtype="float32",
-                    name=f"{v.path.replace('/', '_')}_{name}",
-                )
-                for v in var_list
-            ]
+        def float32_slots(name, **kwargs):
+            slots = []
+            for v in var_list:
+                with keras.name_scope(self.name, caller=self):
+                    slot = keras.Variable(
+                        initializer="zeros",
+                        shape=v.shape,
+                        dtype="float32",
+                        trainable=False,
+                        name=f"{v.path.replace('/', '_')}_{name}",
+                        **kwargs,
+                    )
+                self._track_variable(slot)
+                slots.append(slot)
+            return slots
 
         self._gsnr_momentums = (
             float32_slots("gsnr_momentum") if self.beta_3 > 0 else [None] * len(var_list)
         )
-        # Keras' own `_accumulated_gradients` (built by the base class when
-        # accumulating) holds the sums; the squares need a slot of their own.
-        self._accumulated_squares = (
-            float32_slots("squared_gradient_accumulator")
-            if self.gradient_accumulation_steps
-            else None
-        )
+        if self.gradient_accumulation_steps:
+            # Each replica accumulates its own micro-steps. On-read SUM
+            # variables keep one value per replica, and checkpoints and
+            # `model.save` store their cross-replica sum (restored as sum / R
+            # per replica): the totals, which are all an update needs.
+            on_read = dict(synchronization="on_read", aggregation="sum")
+            self._accumulated_gradients = float32_slots("gradient_accumulator", **on_read)
+            self._accumulated_squares = float32_slots(
+                "squared_gradient_accumulator", **on_read
+            )
+        else:
+            self._accumulated_squares = None
         self._variable_updates = {}
 
     # -- replica context ------------------------------------------------------
@@ -92,19 +112,27 @@ class GSNRMixin:
         sums = list(grads)
         squares = [tf.square(g) for g in grads]
         if self.gradient_accumulation_steps:
-            sums = [
-                s + tf.cast(self._accumulated_gradients[i], tf.float32)
-                for s, i in zip(sums, indices)
-            ]
-            squares = [
-                s + self._accumulated_squares[i] for s, i in zip(squares, indices)
-            ]
+            is_update_step = self._is_update_step()
+            sums = self._accumulate(self._accumulated_gradients, sums, indices, is_update_step)
+            squares = self._accumulate(self._accumulated_squares, squares, indices, is_update_step)
         replica_context.merge_call(
             self._cross_replica_update,
             args=(sums, squares, list(trainable_variables), indices),
         )
         if self.use_ema:
             self._update_model_variables_moving_average(self._trainable_variables)
+
+    @staticmethod
+    def _accumulate(accumulators, values, indices, is_update_step):
+        """Adds this micro-step to the replica's running sums; returns them,
+        and leaves the accumulators at zero after the update's micro-step."""
+        totals = []
+        for value, index in zip(values, indices):
+            accumulator = accumulators[index]
+            total = accumulator + value
+            accumulator.assign(tf.where(is_update_step, tf.zeros_like(total), total))
+            totals.append(total)
+        return totals
 
     def _check_sample_count(self, replicas):
         steps = self.gradient_accumulation_steps or 1
@@ -120,6 +148,11 @@ class GSNRMixin:
             )
 
     # -- cross-replica context ------------------------------------------------
+
+    def _is_update_step(self):
+        # `_iterations` counts micro-steps and is incremented after the
+        # update, so replica and cross-replica code read the same value.
+        return tf.equal((self._iterations + 1) % self.gradient_accumulation_steps, 0)
 
     def _cross_replica_update(self, distribution, sums, squares, variables, indices):
         tf_variables = [
@@ -143,41 +176,12 @@ class GSNRMixin:
                           distribution.num_replicas_in_sync),
                     group=False,
                 )
-            if self.gradient_accumulation_steps:
-                for index in indices:
-                    for accumulator in (
-                        self._accumulated_gradients[index],
-                        self._accumulated_squares[index],
-                    ):
-                        distribution.extended.update(
-                            accumulator.value,
-                            lambda a: a.assign(tf.zeros_like(a)),
-                            group=False,
-                        )
 
         if not self.gradient_accumulation_steps:
             update()
-            return
-
-        def accumulate():
-            # Each replica keeps its own running sums: the accumulators'
-            # per-device components differ until the next update.
-            for j, index in enumerate(indices):
-                for accumulator, value in (
-                    (self._accumulated_gradients[index], sums[j]),
-                    (self._accumulated_squares[index], squares[j]),
-                ):
-                    distribution.extended.update(
-                        accumulator.value,
-                        lambda a, x: a.assign(tf.cast(x, a.dtype)),
-                        args=(value,),
-                        group=False,
-                    )
-
-        is_update_step = tf.equal(
-            (self._iterations + 1) % self.gradient_accumulation_steps, 0
-        )
-        tf.cond(is_update_step, update, accumulate)
+        else:
+            # In cross-replica context, so that no merge_call sits in a cond.
+            tf.cond(self._is_update_step(), update, lambda: None)
 
     def _variable_update(self, index):
         """The per-variable VR update (XLA-compiled unless `jit_update` is
