@@ -85,3 +85,15 @@ def apply_stream_mirrored(strategy, optimizer, variables, stream):
             for i in range(len(grads[0]))
         ]
         step(stacked)
+
+
+def run_mirrored(strategy, make_optimizer, stream):
+    """Builds `make_model()` and `make_optimizer()` under `strategy`, applies
+    the per-replica stream; returns (initial weights, final weights,
+    optimizer)."""
+    with strategy.scope():
+        model = make_model()
+        optimizer = make_optimizer()
+    initial = model.get_weights()
+    apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
+    return initial, model.get_weights(), optimizer

@@ -19,15 +19,6 @@ STEPS = 5
 SCALES = [1e-2, 5.0, 0.05, 0.3]
 
 
-def _run_mirrored(strategy, make_optimizer, stream):
-    with strategy.scope():
-        model = helpers.make_model()
-        optimizer = make_optimizer()
-    initial = model.get_weights()
-    helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
-    return initial, model.get_weights(), optimizer
-
-
 def _stream(replicas):
     shapes = [w.shape for w in helpers.make_model().get_weights()]
     return helpers.gradient_stream(shapes, STEPS, replicas=replicas, scales=SCALES, seed=7)
@@ -36,7 +27,7 @@ def _stream(replicas):
 def test_lars_under_mirrored_strategy_uses_reduced_gradient(strategy):
     stream = _stream(strategy.num_replicas_in_sync)
     hyper = dict(momentum=0.9, trust_coefficient=0.01, weight_decay_rate=0.01)
-    initial, got, optimizer = _run_mirrored(
+    initial, got, optimizer = helpers.run_mirrored(
         strategy, lambda: tf_vrgd.LARS(0.5, exclude_from_weight_decay=["bias"], **hyper), stream
     )
     decays = [True, False, True, False]
@@ -52,7 +43,7 @@ def test_lars_under_mirrored_strategy_uses_reduced_gradient(strategy):
 def test_larc_under_mirrored_strategy_uses_reduced_gradient(strategy, clip):
     stream = _stream(strategy.num_replicas_in_sync)
     larc = dict(clip=clip, weight_decay=0.01)
-    initial, got, optimizer = _run_mirrored(
+    initial, got, optimizer = helpers.run_mirrored(
         strategy, lambda: tf_vrgd.LARC(keras.optimizers.SGD(0.1, momentum=0.9), **larc), stream
     )
     expected = reference_larc_sgd(

@@ -100,19 +100,10 @@ def _shapes():
     return [w.shape for w in helpers.make_model().get_weights()]
 
 
-def _run_mirrored(strategy, optimizer, stream):
-    with strategy.scope():
-        model = helpers.make_model()
-        optimizer = optimizer()
-    initial = model.get_weights()
-    helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
-    return initial, model.get_weights(), optimizer
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_vr_matches_reference_on_four_replicas(strategy, case):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=11)
-    initial, got, optimizer = _run_mirrored(strategy, lambda: _make(case), stream)
+    initial, got, optimizer = helpers.run_mirrored(strategy, lambda: _make(case), stream)
     expected = _reference(case, initial, _samples_per_update(stream, 1))
     for g, e in zip(got, expected):
         ref.assert_close(g, e, f"{case} (4 replicas)", rtol=1e-4)
@@ -123,7 +114,7 @@ def test_vr_matches_reference_on_four_replicas(strategy, case):
 def test_vr_matches_reference_with_accumulation_on_four_replicas(strategy, case):
     steps = 2
     stream = helpers.gradient_stream(_shapes(), UPDATES * steps, replicas=4, scales=SCALES, seed=12)
-    initial, got, optimizer = _run_mirrored(
+    initial, got, optimizer = helpers.run_mirrored(
         strategy, lambda: _make(case, gradient_accumulation_steps=steps), stream
     )
     expected = _reference(case, initial, _samples_per_update(stream, steps))
@@ -162,8 +153,8 @@ TWINS = {
 @pytest.mark.parametrize("name", TWINS)
 def test_gamma_one_equals_base_optimizer(strategy, name):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=14)
-    _, vr, _ = _run_mirrored(strategy, lambda: TWINS[name](gamma=1.0, beta_3=0.5), stream)
-    _, base, _ = _run_mirrored(strategy, BASES[name], stream)
+    _, vr, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](gamma=1.0, beta_3=0.5), stream)
+    _, base, _ = helpers.run_mirrored(strategy, BASES[name], stream)
     # keras.optimizers.Lamb itself is 1.2e-4 (relative) away from a float64
     # LAMB on these inputs, while VRLAMB at gamma=1 is within 1e-7 of it
     # (checked below); the other bases agree to round-off.
@@ -186,8 +177,8 @@ def test_gamma_one_equals_base_optimizer(strategy, name):
 def test_identical_replicas_give_base_optimizer(strategy, name):
     one = helpers.gradient_stream(_shapes(), UPDATES, replicas=1, scales=SCALES, seed=15)
     stream = [[step[0]] * 4 for step in one]
-    _, vr, _ = _run_mirrored(strategy, TWINS[name], stream)
-    _, base, _ = _run_mirrored(strategy, BASES[name], stream)
+    _, vr, _ = helpers.run_mirrored(strategy, TWINS[name], stream)
+    _, base, _ = helpers.run_mirrored(strategy, BASES[name], stream)
     rtol = 5e-4 if name == "VRLAMB" else 1e-5  # see test_gamma_one_equals_base_optimizer
     for g, e in zip(vr, base):
         assert np.all(np.isfinite(g))
@@ -200,8 +191,8 @@ def test_scaling_all_samples_scales_gsnr_invariantly(strategy, name):
     # free: a GSNR that changed with the scale would change the step.
     stream = helpers.gradient_stream(_shapes(), 1, replicas=4, scales=SCALES, seed=16)
     scaled = [[[g * 8.0 for g in replica] for replica in step] for step in stream]
-    initial, a, _ = _run_mirrored(strategy, lambda: TWINS[name](), stream)
-    _, b, _ = _run_mirrored(strategy, lambda: TWINS[name](), scaled)
+    initial, a, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](), stream)
+    _, b, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](), scaled)
     factor = 8.0 if name == "VRSGD" else 1.0  # LARS: trust * u is scale free
     for w0, x, y in zip(initial, a, b):
         ref.assert_close(y - w0, factor * (x - w0), f"{name} sample-scale invariance", rtol=1e-4)
@@ -235,8 +226,8 @@ def test_bad_hyper_parameters_raise(cls, kwargs, argument):
 def test_xla_update_equals_non_xla_under_mirrored_strategy(strategy):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=17)
     for name in TWINS:
-        _, xla, _ = _run_mirrored(strategy, lambda: TWINS[name](jit_update=True), stream)
-        _, plain, _ = _run_mirrored(strategy, lambda: TWINS[name](jit_update=False), stream)
+        _, xla, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](jit_update=True), stream)
+        _, plain, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](jit_update=False), stream)
         for g, e in zip(xla, plain):
             ref.assert_close(g, e, f"{name} XLA vs non-XLA update", rtol=1e-5)
 
@@ -257,7 +248,7 @@ def test_update_is_traced_once(strategy):
 
 def test_larc_wraps_a_vr_optimizer(strategy):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=19)
-    initial, got, _ = _run_mirrored(
+    initial, got, _ = helpers.run_mirrored(
         strategy, lambda: tf_vrgd.LARC(tf_vrgd.VRSGD(0.5, momentum=0.9)), stream
     )
     # LARC sees the gradient the base rule sees: ghat.

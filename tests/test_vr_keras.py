@@ -45,6 +45,11 @@ def _conv_model():
     )
 
 
+def _assert_trains(model, x, y, **fit_kwargs):
+    losses = model.fit(x, y, verbose=0, **fit_kwargs).history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
+
+
 def _compile(model, optimizer, **kwargs):
     model.compile(
         optimizer=optimizer,
@@ -60,8 +65,7 @@ def test_fit_trains_a_conv_model_under_mirrored_strategy(strategy, name):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = _compile(_conv_model(), VR[name]())
-    losses = model.fit(x, y, batch_size=128, epochs=5, verbose=0).history["loss"]
-    assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
+    _assert_trains(model, x, y, batch_size=128, epochs=5)
 
 
 def test_fit_with_accumulation_under_mirrored_strategy(strategy):
@@ -69,8 +73,7 @@ def test_fit_with_accumulation_under_mirrored_strategy(strategy):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = _compile(_conv_model(), tf_vrgd.VRAdam(0.003, gradient_accumulation_steps=2))
-    losses = model.fit(x, y, batch_size=64, epochs=4, verbose=0).history["loss"]
-    assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
+    _assert_trains(model, x, y, batch_size=64, epochs=4)
     assert int(model.optimizer.iterations.numpy()) == 4 * (512 // 64) // 2
 
 
@@ -78,8 +81,7 @@ def test_jit_compiled_model_with_accumulation_on_one_device():
     x, y = _images()
     keras.utils.set_random_seed(0)
     model = _compile(_conv_model(), tf_vrgd.VRAdam(0.003, gradient_accumulation_steps=4), jit_compile=True)
-    losses = model.fit(x, y, batch_size=32, epochs=3, verbose=0).history["loss"]
-    assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
+    _assert_trains(model, x, y, batch_size=32, epochs=3)
 
 
 @pytest.mark.parametrize("name", VR)
@@ -232,8 +234,7 @@ def test_mixed_bfloat16_trains(strategy, name):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = _compile(_conv_model(), VR[name]())
-    losses = model.fit(x, y, batch_size=128, epochs=5, verbose=0).history["loss"]
-    assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
+    _assert_trains(model, x, y, batch_size=128, epochs=5)
 
 
 def test_keras_private_update_path_is_unchanged():
