@@ -50,6 +50,18 @@ def mean_over_replicas(stream):
     ]
 
 
+def samples_per_update(stream, accumulation_steps):
+    """[micro-steps][replicas][var] -> [updates][var] arrays [k, *shape]."""
+    updates = []
+    for u in range(len(stream) // accumulation_steps):
+        micro = stream[u * accumulation_steps:(u + 1) * accumulation_steps]
+        updates.append([
+            np.stack([replica[i] for step in micro for replica in step]).astype(np.float64)
+            for i in range(len(micro[0][0]))
+        ])
+    return updates
+
+
 def apply_stream(optimizer, variables, stream, compiled=False):
     """Applies replica-0 gradients of each step on one device."""
     def step(grads):

@@ -91,8 +91,9 @@ def keras_adam_step(w, g, m, v, t, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
 # --- GSNR (ALGORITHMS.md §1-3) ----------------------------------------------
 
 
-def gsnr_scale(samples, gamma, epsilon=1e-6):
-    """r of ALGORITHMS.md §2 from the k samples (axis 0) of one variable."""
+def raw_gsnr(samples, epsilon=1e-6):
+    """(raw element-wise GSNR, mean) from the k samples (axis 0) of one
+    variable (ALGORITHMS.md §2)."""
     samples = np.asarray(samples, np.float64)
     mean = samples.mean(axis=0)
     second = np.square(samples).mean(axis=0)
@@ -101,6 +102,12 @@ def gsnr_scale(samples, gamma, epsilon=1e-6):
     raw = np.zeros_like(mean)
     positive = second > 0
     raw[positive] = mean[positive] ** 2 / denominator[positive]
+    return raw, mean
+
+
+def gsnr_scale(samples, gamma, epsilon=1e-6):
+    """(r of ALGORITHMS.md §2, mean) from the k samples of one variable."""
+    raw, mean = raw_gsnr(samples, epsilon)
     layer_mean = raw.mean()
     normalized = raw / layer_mean if layer_mean > 0 else np.ones_like(raw)
     return np.clip(normalized, gamma, 1.0), mean

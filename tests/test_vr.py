@@ -84,18 +84,6 @@ def _make(case, **extra):
     return getattr(tf_vrgd, class_name)(lr, **kwargs, **extra)
 
 
-def _samples_per_update(stream, accumulation_steps):
-    """[micro-steps][replicas][var] -> [updates][var] arrays [k, *shape]."""
-    updates = []
-    for u in range(len(stream) // accumulation_steps):
-        micro = stream[u * accumulation_steps:(u + 1) * accumulation_steps]
-        updates.append([
-            np.stack([replica[i] for step in micro for replica in step]).astype(np.float64)
-            for i in range(len(micro[0][0]))
-        ])
-    return updates
-
-
 def _shapes():
     return [w.shape for w in helpers.make_model().get_weights()]
 
@@ -104,7 +92,7 @@ def _shapes():
 def test_vr_matches_reference_on_four_replicas(strategy, case):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=11)
     initial, got, optimizer = helpers.run_mirrored(strategy, lambda: _make(case), stream)
-    expected = _reference(case, initial, _samples_per_update(stream, 1))
+    expected = _reference(case, initial, helpers.samples_per_update(stream, 1))
     for g, e in zip(got, expected):
         ref.assert_close(g, e, f"{case} (4 replicas)", rtol=1e-4)
     assert int(optimizer.iterations.numpy()) == UPDATES
@@ -117,7 +105,7 @@ def test_vr_matches_reference_with_accumulation_on_four_replicas(strategy, case)
     initial, got, optimizer = helpers.run_mirrored(
         strategy, lambda: _make(case, gradient_accumulation_steps=steps), stream
     )
-    expected = _reference(case, initial, _samples_per_update(stream, steps))
+    expected = _reference(case, initial, helpers.samples_per_update(stream, steps))
     for g, e in zip(got, expected):
         ref.assert_close(g, e, f"{case} (4 replicas x 2 micro-steps)", rtol=1e-4)
     assert int(optimizer.iterations.numpy()) == UPDATES
@@ -131,7 +119,7 @@ def test_vr_matches_reference_with_accumulation_on_one_device(case):
     initial = model.get_weights()
     optimizer = _make(case, gradient_accumulation_steps=steps)
     helpers.apply_stream(optimizer, model.trainable_variables, stream, compiled=True)
-    expected = _reference(case, initial, _samples_per_update(stream, steps))
+    expected = _reference(case, initial, helpers.samples_per_update(stream, steps))
     for g, e in zip(model.get_weights(), expected):
         ref.assert_close(g, e, f"{case} (1 device x 3 micro-steps)", rtol=1e-4)
 
@@ -163,10 +151,10 @@ def test_gamma_one_equals_base_optimizer(strategy, name):
         ref.assert_close(g, e, f"{name} gamma=1 vs base", rtol=rtol)
     if name == "VRLAMB":
         initial = helpers.make_model().get_weights()
-        expected = _reference("VR-LAMB", initial, _samples_per_update(stream, 1), gamma=1.0)
+        expected = _reference("VR-LAMB", initial, helpers.samples_per_update(stream, 1), gamma=1.0)
         plain = [w.astype(np.float64) for w in initial]
         slots = [[np.zeros_like(w), np.zeros_like(w)] for w in plain]
-        for t, samples in enumerate(_samples_per_update(stream, 1), start=1):
+        for t, samples in enumerate(helpers.samples_per_update(stream, 1), start=1):
             for i, sample in enumerate(samples):
                 plain[i], *slots[i] = ref.lamb_step(plain[i], sample.mean(0), *slots[i], t, 0.05)
         for g, e in zip(vr, plain):
@@ -258,7 +246,7 @@ def test_larc_wraps_a_vr_optimizer(strategy):
         return w, [m]
 
     reference = ref.VRReference(initial, step, 1, 0.1, 0.0)
-    for samples in _samples_per_update(stream, 1):
+    for samples in helpers.samples_per_update(stream, 1):
         expected = reference.update(samples)
     for g, e in zip(got, expected):
         ref.assert_close(g, e, "LARC(VR-Momentum) (4 replicas)", rtol=1e-4)

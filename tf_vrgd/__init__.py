@@ -8,6 +8,7 @@ VR-LARS, VR-LAMB).
 from tf_vrgd import functional
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
+from tf_vrgd.monitor import GSNRMonitor
 from tf_vrgd.vr_adam import VRAdam
 from tf_vrgd.vr_lamb import VRLAMB
 from tf_vrgd.vr_lars import VRLARS
@@ -16,6 +17,7 @@ from tf_vrgd.vr_sgd import VRSGD
 __version__ = "0.1.0"
 
 __all__ = [
+    "GSNRMonitor",
     "LARC",
     "LARS",
     "VRAdam",

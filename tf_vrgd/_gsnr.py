@@ -6,7 +6,7 @@ all-reduced together, and are turned into the GSNR-scaled gradient that the
 base rule applies (ALGORITHMS.md §1-3, §6). It replaces Keras' TensorFlow
 update path, `_backend_apply_gradients`, which is private: the Keras range
 this is written for is pinned in `setup.cfg`, and
-`tests/test_vr_hook.py::test_keras_private_update_path_is_unchanged` fails,
+`tests/test_vr_keras.py::test_keras_private_update_path_is_unchanged` fails,
 naming the method, if an upgrade changes it.
 
 Flow of one `apply` call (per replica, in replica context):
@@ -24,7 +24,10 @@ Flow of one `apply` call (per replica, in replica context):
    hands ``ghat`` to the optimizer's `update_step`, the base rule.
 """
 
+import functools
+
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import _validation
@@ -60,23 +63,7 @@ class GSNRMixin:
             super().build(var_list)
         finally:
             self.gradient_accumulation_steps = accumulation_steps
-        # GSNR statistics are float32 whatever the variable dtype.
-        def float32_slots(name, **kwargs):
-            slots = []
-            for v in var_list:
-                with keras.name_scope(self.name, caller=self):
-                    slot = keras.Variable(
-                        initializer="zeros",
-                        shape=v.shape,
-                        dtype="float32",
-                        trainable=False,
-                        name=f"{v.path.replace('/', '_')}_{name}",
-                        **kwargs,
-                    )
-                self._track_variable(slot)
-                slots.append(slot)
-            return slots
-
+        float32_slots = functools.partial(self._float32_slots, var_list)
         self._gsnr_momentums = (
             float32_slots("gsnr_momentum") if self.beta_3 > 0 else [None] * len(var_list)
         )
@@ -92,7 +79,28 @@ class GSNRMixin:
             )
         else:
             self._accumulated_squares = None
+        # Diagnostics, not state: kept out of `variables` and checkpoints.
+        self._gsnr_monitor = _Untracked(float32_slots("gsnr_statistics", shape=(4,), track=False))
         self._variable_updates = {}
+
+    def _float32_slots(self, var_list, name, shape=None, track=True, **kwargs):
+        """One float32 variable per variable of `var_list` (GSNR statistics
+        are float32 whatever the variable dtype), of its shape or `shape`."""
+        slots = []
+        for v in var_list:
+            with keras.name_scope(self.name, caller=self):
+                slot = keras.Variable(
+                    initializer="zeros",
+                    shape=v.shape if shape is None else shape,
+                    dtype="float32",
+                    trainable=False,
+                    name=f"{v.path.replace('/', '_')}_{name}",
+                    **kwargs,
+                )
+            if track:
+                self._track_variable(slot)
+            slots.append(slot)
+        return slots
 
     # -- replica context ------------------------------------------------------
 
@@ -191,6 +199,7 @@ class GSNRMixin:
         keras_variable = self._trainable_variables[index]
         decays = bool(self.weight_decay) and self._use_weight_decay(keras_variable)
         gsnr_momentum_slot = self._gsnr_momentums[index]
+        statistics_slot = self._gsnr_monitor.value[index]
         accumulation_steps = self.gradient_accumulation_steps or 1
 
         def vr_update(variable, sum_of_gradients, sum_of_squares, learning_rate,
@@ -198,8 +207,11 @@ class GSNRMixin:
             gradient_mean, second_moment = functional.gradient_moments(
                 sum_of_gradients, sum_of_squares, replicas, accumulation_steps
             )
-            scale = functional.gsnr_scale(
-                gradient_mean, second_moment, self.gamma, self.gsnr_epsilon
+            gsnr = functional.raw_gsnr(gradient_mean, second_moment, self.gsnr_epsilon)
+            scale = functional.normalized_clipped_gsnr(gsnr, self.gamma)
+            # Running sums of [mean GSNR, at gamma, at 1, updates].
+            statistics_slot.assign_add(
+                tf.concat([functional.gsnr_statistics(gsnr, scale, self.gamma), [1.0]], 0)
             )
             if gsnr_momentum_slot is not None:
                 new_momentum, scale = functional.gsnr_momentum(
@@ -222,6 +234,46 @@ class GSNRMixin:
         self._variable_updates[index] = vr_update
         return vr_update
 
+    # -- diagnostics ------------------------------------------------------------
+
+    def gsnr_statistic_sums(self):
+        """Running sums since the last `reset_gsnr_statistics`, one row per
+        trainable variable: ``[sum of mean raw GSNR, sum of the fraction of
+        elements clipped to gamma, sum of the fraction at 1, updates]``.
+
+        Returns a float32 numpy array of shape ``[variables, 4]`` (read from
+        the device in one transfer), or None before the optimizer is built.
+        """
+        if not self.built:
+            return None
+        return tf.stack([v.value for v in self._gsnr_monitor.value]).numpy()
+
+    def gsnr_statistics(self):
+        """Per-variable GSNR statistics averaged over the updates since the
+        last `reset_gsnr_statistics` (or since the start).
+
+        Returns:
+            A dict from variable path to ``{"mean_gsnr", "fraction_at_gamma",
+            "fraction_at_one", "updates"}``: the mean over the variable's
+            elements of the raw GSNR ``gbar^2 / var``, and the fractions of
+            elements whose normalised GSNR was clipped to `gamma` or to 1.
+            The averages are NaN when no update has run. Empty before the
+            optimizer is built.
+        """
+        sums = self.gsnr_statistic_sums()
+        if sums is None:
+            return {}
+        return {
+            variable.path: summarize_gsnr_sums(row)
+            for variable, row in zip(self._trainable_variables, sums)
+        }
+
+    def reset_gsnr_statistics(self):
+        """Restarts the running sums behind `gsnr_statistics` (no host sync)."""
+        if self.built:
+            for v in self._gsnr_monitor.value:
+                v.assign(tf.zeros_like(v))
+
     def _gsnr_config(self):
         return {
             "gamma": self.gamma,
@@ -229,3 +281,23 @@ class GSNRMixin:
             "gsnr_epsilon": self.gsnr_epsilon,
             "jit_update": self.jit_update,
         }
+
+
+def summarize_gsnr_sums(row):
+    """``[sums of mean GSNR, at gamma, at 1, updates]`` -> their averages."""
+    updates = float(row[3])
+    averages = row[:3] / updates if updates > 0 else np.full(3, np.nan)
+    return {
+        "mean_gsnr": float(averages[0]),
+        "fraction_at_gamma": float(averages[1]),
+        "fraction_at_one": float(averages[2]),
+        "updates": int(updates),
+    }
+
+
+class _Untracked:
+    """Holds a value out of sight of Keras' and TensorFlow's trackers, so
+    that it is neither optimizer state nor saved in checkpoints."""
+
+    def __init__(self, value):
+        self.value = value

@@ -206,6 +206,27 @@ def gsnr_scale(gradient_mean, second_moment, gamma, epsilon):
     )
 
 
+def gsnr_statistics(gsnr, scale, gamma):
+    """Summary of one variable's GSNR for monitoring.
+
+    Args:
+        gsnr: the raw element-wise GSNR (`raw_gsnr`).
+        scale: the normalised, clipped factor r (`normalized_clipped_gsnr`).
+        gamma: the lower clip.
+
+    Returns:
+        float32 ``[mean raw GSNR, fraction of elements at gamma, fraction at
+        1]``. With ``gamma = 1`` every element is at both bounds.
+    """
+    return tf.stack(
+        [
+            tf.reduce_mean(gsnr),
+            tf.reduce_mean(tf.cast(scale <= gamma, tf.float32)),
+            tf.reduce_mean(tf.cast(scale >= 1.0, tf.float32)),
+        ]
+    )
+
+
 def gsnr_momentum(previous, gsnr, beta_3, step):
     """Bias-corrected momentum of the GSNR (Algorithm 3).
 

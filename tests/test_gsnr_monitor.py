@@ -1,0 +1,154 @@
+"""GSNR diagnostics: the optimizer's per-variable statistics against numpy,
+and `GSNRMonitor` writing them into History, batch logs and TensorBoard."""
+
+import glob
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_vrgd
+from tests import helpers
+from tests import references as ref
+
+
+def _reference_statistics(samples_per_update, gamma):
+    """Per variable: [mean raw GSNR, fraction at gamma, fraction at 1],
+    averaged over updates."""
+    rows = []
+    for i in range(len(samples_per_update[0])):
+        per_update = []
+        for samples in samples_per_update:
+            raw, _ = ref.raw_gsnr(samples[i])
+            r, _ = ref.gsnr_scale(samples[i], gamma)
+            per_update.append([raw.mean(), np.mean(r <= gamma), np.mean(r >= 1.0)])
+        rows.append(np.mean(per_update, axis=0))
+    return rows
+
+
+def _assert_statistics_match(optimizer, shapes, samples, gamma, name):
+    statistics = optimizer.gsnr_statistics()
+    paths = [v.path for v in optimizer._trainable_variables]
+    assert list(statistics) == paths
+    for path, shape, expected in zip(paths, shapes, _reference_statistics(samples, gamma)):
+        got = statistics[path]
+        assert got["updates"] == len(samples)
+        ref.assert_close(got["mean_gsnr"], expected[0], f"{name} mean GSNR", rtol=1e-4)
+        # A fraction may differ by one element that float32 puts on the
+        # other side of a clip bound.
+        one_element = 1.0 / (np.prod(shape) * len(samples))
+        for key, value in zip(("fraction_at_gamma", "fraction_at_one"), expected[1:]):
+            assert abs(got[key] - value) <= one_element + 1e-7, (path, key, got[key], value)
+
+
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_statistics_match_numpy_on_four_replicas(strategy, accumulation):
+    gamma = 0.3
+    steps = accumulation or 1
+    shapes = [w.shape for w in helpers.make_model().get_weights()]
+    stream = helpers.gradient_stream(shapes, 3 * steps, replicas=4, scales=[1.0, 0.1, 3.0, 0.01])
+    _, _, optimizer = helpers.run_mirrored(
+        strategy,
+        lambda: tf_vrgd.VRSGD(0.01, momentum=0.9, gamma=gamma, gradient_accumulation_steps=accumulation),
+        stream,
+    )
+    samples = helpers.samples_per_update(stream, steps)
+    _assert_statistics_match(optimizer, shapes, samples, gamma, "GSNR statistics")
+    # Some elements sit at each bound, so the fractions are not trivially 0 or 1.
+    sums = optimizer.gsnr_statistic_sums()
+    assert 0 < sums[:, 1].sum() < sums[:, 3].sum() * len(shapes)
+
+    optimizer.reset_gsnr_statistics()
+    np.testing.assert_array_equal(optimizer.gsnr_statistic_sums(), 0.0)
+    stats = optimizer.gsnr_statistics()
+    assert all(np.isnan(s["mean_gsnr"]) and s["updates"] == 0 for s in stats.values())
+
+
+def test_statistics_are_not_optimizer_state(tmp_path):
+    model = helpers.make_model()
+    optimizer = tf_vrgd.VRAdam(gradient_accumulation_steps=2)
+    optimizer.build(model.trainable_variables)
+    assert not any("gsnr_statistics" in v.path for v in optimizer.variables)
+    path = tf.train.Checkpoint(optimizer=optimizer).write(str(tmp_path / "ckpt"))
+    names = [name for name, _ in tf.train.list_variables(path)]
+    assert names and not any("gsnr_statistics" in name for name in names)
+
+
+def _fit_data(n=256, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 3)) + 0.3 * rng.normal(size=(n, 3))).astype(np.float32)
+    return x, y
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.batches = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if "gsnr_mean" in logs:
+            self.batches.append(batch)
+
+
+def test_monitor_logs_into_history_batches_and_tensorboard(strategy, tmp_path):
+    pytest.importorskip("tensorboard")
+    x, y = _fit_data()
+    with strategy.scope():
+        model = helpers.make_model()
+        model.compile(optimizer=tf_vrgd.VRAdam(0.01, gamma=0.2), loss="mse")
+    batch_logs = _BatchLogs()
+    history = model.fit(
+        x, y, batch_size=64, epochs=2, verbose=0,
+        callbacks=[
+            tf_vrgd.GSNRMonitor(update_freq=2),
+            batch_logs,
+            keras.callbacks.TensorBoard(str(tmp_path)),
+        ],
+    )
+    # 4 batches per epoch, logged at batches 1 and 3 of each epoch.
+    assert batch_logs.batches == [1, 3, 1, 3]
+    # The epoch entries average the epoch's updates: the optimizer's own
+    # statistics after fit cover exactly the last epoch (reset at its start).
+    statistics = model.optimizer.gsnr_statistics()
+    sizes = {v.path: np.prod(v.shape) for v in model.trainable_variables}
+    for path, stats in statistics.items():
+        assert stats["updates"] == 4
+        for key, log_key in (("mean_gsnr", "gsnr_mean"), ("fraction_at_gamma", "gsnr_at_gamma"),
+                             ("fraction_at_one", "gsnr_at_one")):
+            values = history.history[f"{log_key}/{path}"]
+            assert len(values) == 2 and values[-1] == pytest.approx(stats[key])
+    at_one = sum(sizes[p] * s["fraction_at_one"] for p, s in statistics.items()) / sum(sizes.values())
+    assert history.history["gsnr_at_one"][-1] == pytest.approx(at_one)
+
+    events = glob.glob(str(tmp_path / "train" / "events.out.tfevents.*"))
+    assert events
+    tags = {
+        value.tag
+        for event_file in events
+        for record in tf.data.TFRecordDataset(event_file)
+        for value in tf.compat.v1.Event.FromString(record.numpy()).summary.value
+    }
+    assert {"epoch_gsnr_mean", "epoch_gsnr_at_gamma", "epoch_gsnr_at_one",
+            "epoch_gsnr_mean/sequential/dense/kernel"} <= tags
+
+
+def test_monitor_finds_a_wrapped_vr_optimizer_and_refuses_others():
+    x, y = _fit_data(64)
+    model = helpers.make_model()
+    model.compile(optimizer=tf_vrgd.LARC(tf_vrgd.VRSGD(0.01, gradient_accumulation_steps=2)), loss="mse")
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                        callbacks=[tf_vrgd.GSNRMonitor(per_variable=False)])
+    assert set(history.history) == {"loss", "gsnr_mean", "gsnr_at_gamma", "gsnr_at_one"}
+    assert np.isfinite(history.history["gsnr_mean"][0])
+
+    model = helpers.make_model()
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(ValueError, match="GSNRMonitor needs a VR optimizer"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[tf_vrgd.GSNRMonitor()])
+
+
+@pytest.mark.parametrize("update_freq", [0, -1, 1.5, True, "batch"])
+def test_monitor_rejects_bad_update_freq(update_freq):
+    with pytest.raises(ValueError, match="update_freq"):
+        tf_vrgd.GSNRMonitor(update_freq=update_freq)

@@ -1,0 +1,119 @@
+"""`GSNRMonitor`: a Keras callback that puts the VR optimizers' GSNR
+statistics into the training logs (so into `History`, the progress bar and
+Keras' own `TensorBoard` callback)."""
+
+import keras
+import numpy as np
+
+from tf_vrgd import _gsnr
+
+_STATISTICS = (
+    ("mean_gsnr", "gsnr_mean"),
+    ("fraction_at_gamma", "gsnr_at_gamma"),
+    ("fraction_at_one", "gsnr_at_one"),
+)
+
+
+class GSNRMonitor(keras.callbacks.Callback):
+    """Logs the GSNR statistics of a VR optimizer during `fit`.
+
+    The optimizer sums, on the device and at every update, each variable's
+    mean raw GSNR (``gbar^2 / var``) and the fractions of its elements whose
+    normalised GSNR was clipped to `gamma` or to 1. This callback reads those
+    sums in one transfer at the end of each epoch (and, with an integer
+    `update_freq`, every `update_freq` batches) and adds their averages over
+    the updates since the previous read to `logs`:
+
+    - ``gsnr_mean``, ``gsnr_at_gamma``, ``gsnr_at_one``: over all elements
+      of all trainable variables (variables weighted by their size);
+    - with `per_variable`, ``gsnr_mean/<variable path>`` and so on for each
+      variable.
+
+    List it before `keras.callbacks.TensorBoard` (callbacks see `logs` in list
+    order); TensorBoard then writes ``epoch_gsnr_mean`` and the rest.
+    Values are NaN over a span without updates (e.g. every step skipped by a
+    `LossScaleOptimizer`).
+
+    Args:
+        update_freq: `"epoch"`, or log into batch logs every this many
+            batches too (one device read each time).
+        per_variable: also log each variable's statistics.
+    """
+
+    def __init__(self, update_freq="epoch", per_variable=True):
+        super().__init__()
+        if update_freq != "epoch" and not (
+            isinstance(update_freq, int)
+            and not isinstance(update_freq, bool)
+            and update_freq > 0
+        ):
+            raise ValueError(
+                "`update_freq` must be 'epoch' or a positive integer. "
+                f"Received: update_freq={update_freq!r}"
+            )
+        self.update_freq = update_freq
+        self.per_variable = bool(per_variable)
+        self._last_sums = None
+
+    def _vr_optimizer(self):
+        """The model's optimizer, unwrapped from LossScaleOptimizer / LARC."""
+        optimizer = self.model.optimizer
+        while not isinstance(optimizer, _gsnr.GSNRMixin):
+            inner = getattr(optimizer, "inner_optimizer", None)
+            if inner is None:
+                raise ValueError(
+                    "GSNRMonitor needs a VR optimizer (tf_vrgd.VRSGD, VRAdam, "
+                    "VRLARS, VRLAMB, possibly wrapped in LARC or "
+                    "LossScaleOptimizer). Received: "
+                    f"{type(self.model.optimizer).__name__}"
+                )
+            optimizer = inner
+        return optimizer
+
+    def on_train_begin(self, logs=None):
+        self._optimizer = self._vr_optimizer()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._optimizer.reset_gsnr_statistics()
+        self._last_sums = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.update_freq == "epoch" or (batch + 1) % self.update_freq:
+            return
+        self._log(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            self._log(logs, since_epoch_start=True)
+
+    def _log(self, logs, since_epoch_start=False):
+        sums = self._optimizer.gsnr_statistic_sums()
+        if sums is None or logs is None:
+            return
+        span = sums
+        if not since_epoch_start:
+            if self._last_sums is not None:
+                span = sums - self._last_sums
+            self._last_sums = sums
+        logs.update(self.statistics_logs(span))
+
+    def statistics_logs(self, sums):
+        """Log entries from a ``[variables, 4]`` array of running sums."""
+        variables = self._optimizer._trainable_variables
+        sizes = np.array([max(int(np.prod(v.shape)), 1) for v in variables], np.float64)
+        entries = {}
+        updates = sums[:, 3].astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            averages = sums[:, :3] / updates[:, None]
+            overall = (averages * sizes[:, None]).sum(axis=0) / sizes.sum()
+        for column, (_, key) in enumerate(_STATISTICS):
+            entries[key] = float(overall[column])
+        if self.per_variable:
+            for variable, row in zip(variables, sums):
+                summary = _gsnr.summarize_gsnr_sums(row)
+                for name, key in _STATISTICS:
+                    entries[f"{key}/{variable.path}"] = summary[name]
+        return entries
+
+    def get_config(self):
+        return {"update_freq": self.update_freq, "per_variable": self.per_variable}
