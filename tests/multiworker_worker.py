@@ -1,0 +1,73 @@
+"""One worker of the multi-worker test (`test_multiworker.py` starts two).
+
+Run as ``python -m tests.multiworker_worker OUTPUT.npz`` with `TF_CONFIG`
+set. Under `MultiWorkerMirroredStrategy` each worker holds one replica (on a
+machine without GPUs, TensorFlow gives each worker one CPU device), and
+applies the gradient stream that `test_multiworker.py` derives from the same
+seeds:
+
+- VR-Momentum, no accumulation: k = 2 workers;
+- VR-Adam with 2 accumulation micro-steps: k = 2 workers x 2 = 4, the
+  samples that one process with 4 replicas applies in one update.
+
+Every worker writes the final weights of both runs to its output file.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_vrgd  # noqa: E402
+from tests import helpers  # noqa: E402
+
+UPDATES = 4
+VR_MOMENTUM = dict(learning_rate=0.05, momentum=0.9, gamma=0.2)
+VR_ADAM = dict(learning_rate=0.01, gamma=0.2)
+
+
+def shapes():
+    return [w.shape for w in helpers.make_model().get_weights()]
+
+
+def four_replica_stream():
+    """[updates][4 replicas][variables]: the samples of the VR-Adam run."""
+    return helpers.gradient_stream(shapes(), UPDATES, replicas=4, scales=[1.0, 0.1, 3.0, 0.01], seed=7)
+
+
+def two_worker_micro_steps(stream):
+    """The same samples as micro-steps of two one-replica workers:
+    update u = micro-step [s0, s1] then micro-step [s2, s3]."""
+    return [micro for step in stream for micro in (step[:2], step[2:])]
+
+
+def two_worker_stream():
+    """[updates][2 replicas][variables]: the samples of the VR-Momentum run."""
+    return helpers.gradient_stream(shapes(), UPDATES, replicas=2, seed=3)
+
+
+def main(output):
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    assert strategy.num_replicas_in_sync == 2, strategy.num_replicas_in_sync
+    results = {}
+    runs = {
+        "momentum": (lambda: tf_vrgd.VRSGD(**VR_MOMENTUM), two_worker_stream()),
+        "adam": (
+            lambda: tf_vrgd.VRAdam(**VR_ADAM, gradient_accumulation_steps=2),
+            two_worker_micro_steps(four_replica_stream()),
+        ),
+    }
+    for name, (make_optimizer, stream) in runs.items():
+        _, weights, optimizer = helpers.run_mirrored(strategy, make_optimizer, stream)
+        assert int(optimizer.iterations.numpy()) == UPDATES  # updates, not micro-steps
+        for i, w in enumerate(weights):
+            results[f"{name}_{i}"] = w
+    np.savez(output, **results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
