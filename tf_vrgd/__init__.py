@@ -1,11 +1,12 @@
 """tf_vrgd: large-batch optimizers for Keras 3 on TensorFlow.
 
-LARS and the LARC wrapper, and the VR family of "Accelerating Large Batch
+LARS, LAMB (Model Garden form) and the LARC wrapper, and the VR family of "Accelerating Large Batch
 Training via Gradient Signal to Noise Ratio" (VR-SGD/Momentum, VR-Adam,
 VR-LARS, VR-LAMB).
 """
 
 from tf_vrgd import functional
+from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
 from tf_vrgd.monitor import GSNRMonitor
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GSNRMonitor",
+    "LAMB",
     "LARC",
     "LARS",
     "VRAdam",

@@ -4,16 +4,13 @@ Signal to Noise Ratio"), on LAMB in its TF Model Garden form (You et al.
 minutes")."""
 
 import keras
-import tensorflow as tf
 
-from tf_vrgd import _validation
-from tf_vrgd import functional
-from tf_vrgd._exclusion import LayerwiseExclusionMixin
 from tf_vrgd._gsnr import GSNRMixin
+from tf_vrgd.lamb import LAMB
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
-class VRLAMB(GSNRMixin, LayerwiseExclusionMixin, keras.optimizers.Optimizer):
+class VRLAMB(GSNRMixin, LAMB):
     """VR-LAMB (Algorithm 5): LAMB on the GSNR-scaled mean gradient.
 
     ghat as in `tf_vrgd.VRSGD` (GSNR momentum beta_3 by default, as in the
@@ -51,57 +48,17 @@ class VRLAMB(GSNRMixin, LayerwiseExclusionMixin, keras.optimizers.Optimizer):
                  exclude_from_weight_decay=None,
                  exclude_from_layer_adaptation=None, gamma=0.1, beta_3=0.9,
                  gsnr_epsilon=1e-6, jit_update=True, **kwargs):
-        _validation.check_learning_rate(learning_rate)
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta_1 = _validation.check_number("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
-        self.beta_2 = _validation.check_number("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
-        self.epsilon = _validation.check_number("epsilon", epsilon, low=0.0)
-        self.weight_decay_rate = _validation.check_number(
-            "weight_decay_rate", weight_decay_rate, low=0.0
+        super().__init__(
+            learning_rate=learning_rate,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            epsilon=epsilon,
+            weight_decay_rate=weight_decay_rate,
+            exclude_from_weight_decay=exclude_from_weight_decay,
+            exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+            **kwargs,
         )
-        self._init_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
         self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update)
 
-    def build(self, var_list):
-        if self.built:
-            return
-        super().build(var_list)
-        self._build_exclusions(var_list)
-        self._momentums, self._velocities = self.add_optimizer_variables(
-            var_list, ["momentum", "velocity"]
-        )
-
-    def update_step(self, gradient, variable, learning_rate):
-        index = self._get_variable_index(variable)
-        m, v = self._momentums[index], self._velocities[index]
-        weight = tf.cast(variable, tf.float32)
-        new_m, new_v, direction = functional.adam_direction(
-            tf.cast(m, tf.float32),
-            tf.cast(v, tf.float32),
-            functional.as_float32(gradient),
-            self.beta_1,
-            self.beta_2,
-            self.epsilon,
-            tf.cast(self.iterations + 1, tf.float32),
-        )
-        self.assign(m, new_m)
-        self.assign(v, new_v)
-        if self._decays[index] and self.weight_decay_rate:
-            direction = direction + self.weight_decay_rate * weight
-        ratio = (
-            functional.trust_ratio(functional.l2_norm(weight), functional.l2_norm(direction))
-            if self._adapts[index]
-            else 1.0
-        )
-        self.assign_sub(variable, tf.cast(learning_rate, tf.float32) * ratio * direction)
-
     def get_config(self):
-        return {
-            **super().get_config(),
-            "beta_1": self.beta_1,
-            "beta_2": self.beta_2,
-            "epsilon": self.epsilon,
-            "weight_decay_rate": self.weight_decay_rate,
-            **self._exclusion_config(),
-            **self._gsnr_config(),
-        }
+        return {**super().get_config(), **self._gsnr_config()}

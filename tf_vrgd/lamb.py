@@ -1,0 +1,95 @@
+"""LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning:
+Training BERT in 76 minutes") with TF Model Garden's arguments: coupled
+`weight_decay_rate` and regex exclusion lists. ALGORITHMS.md §4."""
+
+import keras
+import tensorflow as tf
+
+from tf_vrgd import _validation
+from tf_vrgd import functional
+from tf_vrgd._exclusion import LayerwiseExclusionMixin
+
+
+@keras.saving.register_keras_serializable(package="tf_vrgd")
+class LAMB(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
+    """LAMB (You et al. 2020) in its TF Model Garden form.
+
+        m <- b1 m + (1-b1) g;   v <- b2 v + (1-b2) g^2
+        u  = mhat / (sqrt(vhat) + epsilon) + weight_decay_rate * w
+             (decay omitted for variables excluded from weight decay)
+        ratio = ||w|| / ||u|| if both > 0 else 1 (1 if excluded from
+                layer adaptation)
+        w <- w - lr * ratio * u
+
+    With `weight_decay_rate = 0` this is `keras.optimizers.Lamb`; unlike
+    it, it has Model Garden's coupled `weight_decay_rate` and regex
+    exclusion lists (saved by `get_config`).
+
+    Args:
+        learning_rate: Defaults to 0.001.
+        beta_1: Float in [0, 1). Defaults to 0.9.
+        beta_2: Float in [0, 1). Defaults to 0.999.
+        epsilon: Float >= 0. Defaults to 1e-6.
+        weight_decay_rate: Float >= 0, LAMB's decay. Defaults to 0.0.
+        exclude_from_weight_decay: Regex list. Defaults to None.
+        exclude_from_layer_adaptation: Regex list. Defaults to None (the
+            weight-decay list).
+        **kwargs: Keras base optimizer arguments.
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
+                 epsilon=1e-6, weight_decay_rate=0.0,
+                 exclude_from_weight_decay=None,
+                 exclude_from_layer_adaptation=None, **kwargs):
+        _validation.check_learning_rate(learning_rate)
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.beta_1 = _validation.check_number("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
+        self.beta_2 = _validation.check_number("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
+        self.epsilon = _validation.check_number("epsilon", epsilon, low=0.0)
+        self.weight_decay_rate = _validation.check_number(
+            "weight_decay_rate", weight_decay_rate, low=0.0
+        )
+        self._init_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._build_exclusions(var_list)
+        self._momentums, self._velocities = self.add_optimizer_variables(
+            var_list, ["momentum", "velocity"]
+        )
+
+    def update_step(self, gradient, variable, learning_rate):
+        index = self._get_variable_index(variable)
+        m, v = self._momentums[index], self._velocities[index]
+        weight = tf.cast(variable, tf.float32)
+        new_m, new_v, direction = functional.adam_direction(
+            tf.cast(m, tf.float32),
+            tf.cast(v, tf.float32),
+            functional.as_float32(gradient),
+            self.beta_1,
+            self.beta_2,
+            self.epsilon,
+            tf.cast(self.iterations + 1, tf.float32),
+        )
+        self.assign(m, new_m)
+        self.assign(v, new_v)
+        if self._decays[index] and self.weight_decay_rate:
+            direction = direction + self.weight_decay_rate * weight
+        ratio = (
+            functional.trust_ratio(functional.l2_norm(weight), functional.l2_norm(direction))
+            if self._adapts[index]
+            else 1.0
+        )
+        self.assign_sub(variable, tf.cast(learning_rate, tf.float32) * ratio * direction)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "beta_1": self.beta_1,
+            "beta_2": self.beta_2,
+            "epsilon": self.epsilon,
+            "weight_decay_rate": self.weight_decay_rate,
+            **self._exclusion_config(),
+        }
