@@ -1,0 +1,265 @@
+"""Model Garden `optimization` blocks -> Keras 3 optimizers and schedules,
+checked against the formulas of Model Garden's sources (numpy)."""
+
+import glob
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import tf_vrgd
+from tf_vrgd import config
+from tests import helpers
+from tests import references as ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Blocks copied unmodified from tensorflow/models (Model Garden):
+# trainer.optimizer_config of official/nlp/configs/experiments/wiki_books_pretrain.yaml
+BERT_PRETRAINING = """
+    learning_rate:
+      polynomial:
+        cycle: false
+        decay_steps: 1000000
+        end_learning_rate: 0.0
+        initial_learning_rate: 0.0001
+        power: 1.0
+      type: polynomial
+    optimizer:
+      type: adamw
+    warmup:
+      polynomial:
+        power: 1
+        warmup_steps: 10000
+      type: polynomial
+"""
+# optimizer.optimizer of official/projects/edgetpu/nlp/experiments/mobilebert_baseline.yaml
+# (that file keeps its learning rate outside the block; a constant is added).
+MOBILEBERT_LAMB = """
+optimizer:
+    lamb:
+      beta_1: 0.9
+      beta_2: 0.999
+      clipnorm: 1.0
+      epsilon: 1.0e-06
+      exclude_from_layer_adaptation: null
+      exclude_from_weight_decay: ['LayerNorm', 'bias', 'norm']
+      global_clipnorm: null
+      name: LAMB
+      weight_decay_rate: 0.01
+    type: lamb
+learning_rate: {type: constant, constant: {learning_rate: 0.0015}}
+"""
+# trainer.optimizer_config of
+# official/vision/configs/experiments/image_classification/imagenet_resnet50_gpu.yaml
+RESNET_SGD = """
+    optimizer:
+      type: 'sgd'
+      sgd:
+        momentum: 0.9
+    learning_rate:
+      type: 'stepwise'
+      stepwise:
+        boundaries: [18750, 37500, 50000]
+        values: [0.8, 0.08, 0.008, 0.0008]
+    warmup:
+      type: 'linear'
+      linear:
+        warmup_steps: 3125
+"""
+
+
+def _schedule(optimizer):
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    return optimizer._learning_rate
+
+
+def _values(schedule, steps):
+    return np.array([float(schedule(s)) for s in steps])
+
+
+def _to_twin(text, kind):
+    return text.replace(f"type: '{kind}'", f"type: 'vr_{kind}'").replace(
+        f"type: {kind}", f"type: vr_{kind}").replace(f"{kind}:", f"vr_{kind}:")
+
+
+def test_bert_adamw_block_builds_with_model_garden_schedule():
+    optimizer = config.optimizer_from_config(BERT_PRETRAINING)
+    assert isinstance(optimizer, config.AdamWeightDecay)
+    assert optimizer.global_clipnorm == 1.0  # Model Garden's gradient_clip_norm default
+    steps = [0, 1, 5000, 9999, 10000, 500000, 1000000]
+    # PolynomialWarmUp: after(warmup) * (max(step, 1) / warmup)^power, then
+    # PolynomialDecay(1e-4 -> 0 over 1e6 steps) at the global step.
+    after = lambda s: 1e-4 * (1 - min(s, 1e6) / 1e6)
+    expected = [after(10000) * max(s, 1) / 10000 if s < 10000 else after(s) for s in steps]
+    ref.assert_close(_values(_schedule(optimizer), steps), expected, "config schedules", rtol=1e-5)
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_mobilebert_lamb_block_and_its_twin(twin):
+    text = _to_twin(MOBILEBERT_LAMB, "lamb") if twin else MOBILEBERT_LAMB
+    optimizer = config.optimizer_from_config(text)
+    assert type(optimizer) is (tf_vrgd.VRLAMB if twin else tf_vrgd.LAMB)
+    assert optimizer.weight_decay_rate == 0.01 and optimizer.clipnorm == 1.0
+    assert optimizer.get_config()["exclude_from_weight_decay"] == ["LayerNorm", "bias", "norm"]
+    assert optimizer.epsilon == 1e-6
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_resnet_sgd_block_and_its_twin(twin):
+    text = _to_twin(RESNET_SGD, "sgd") if twin else RESNET_SGD
+    optimizer = config.optimizer_from_config(text)
+    assert type(optimizer) is (tf_vrgd.VRSGD if twin else keras.optimizers.SGD)
+    assert optimizer.momentum == 0.9
+    steps = [0, 1000, 3124, 3125, 18749, 18751, 40000, 56000]
+    # LinearWarmup from 0 to after(3125) = 0.8, then the piecewise values.
+    piecewise = lambda s: [0.8, 0.08, 0.008, 0.0008][np.searchsorted([18750, 37500, 50000], s)]
+    expected = [s / 3125 * 0.8 if s < 3125 else piecewise(s) for s in steps]
+    ref.assert_close(_values(_schedule(optimizer), steps), expected, "config schedules", rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "block, formula",
+    [
+        ({"type": "constant", "constant": {"learning_rate": 0.3}}, lambda s: 0.3),
+        ({"type": "exponential", "exponential": {"initial_learning_rate": 0.5, "decay_steps": 10,
+                                                "decay_rate": 0.5, "offset": 4}},
+         lambda s: 0.5 * 0.5 ** ((s - 4) / 10)),
+        ({"type": "exponential", "exponential": {"initial_learning_rate": 0.5, "decay_steps": 10,
+                                                "decay_rate": 0.5, "staircase": True}},
+         lambda s: 0.5 * 0.5 ** (s // 10)),
+        ({"type": "cosine", "cosine": {"initial_learning_rate": 2.0, "decay_steps": 40, "alpha": 0.1}},
+         lambda s: 2.0 * ((1 - 0.1) * 0.5 * (1 + np.cos(np.pi * min(s, 40) / 40)) + 0.1)),
+        ({"type": "polynomial", "polynomial": {"initial_learning_rate": 1.0, "decay_steps": 30,
+                                              "power": 2.0}},
+         lambda s: (1.0 - 1e-4) * (1 - min(s, 30) / 30) ** 2 + 1e-4),
+    ],
+    ids=["constant", "exponential-offset", "exponential-staircase", "cosine", "polynomial"],
+)
+def test_learning_rate_types_follow_model_garden(block, formula):
+    warm = {"type": "linear", "linear": {"warmup_steps": 5, "warmup_learning_rate": 0.01}}
+    steps = [4, 5, 7, 13, 29, 35, 50]
+    for warmup in (None, warm):
+        cfg = {"optimizer": {"type": "sgd"}, "learning_rate": block}
+        if warmup:
+            cfg["warmup"] = warmup
+        schedule = _schedule(config.optimizer_from_config(cfg))
+        expected = [
+            0.01 + s / 5 * (formula(5) - 0.01) if warmup and s < 5 else formula(s) for s in steps
+        ]
+        ref.assert_close(_values(schedule, steps), expected, "config schedules", rtol=1e-5)
+
+
+def test_optimizer_and_schedule_survive_serialization():
+    cfg = config.load(RESNET_SGD)
+    cfg["optimizer"] = {"type": "larc", "larc": {"trust_coefficient": 0.01, "optimizer": cfg["optimizer"]}}
+    cfg["ema"] = {"average_decay": 0.999, "dynamic_decay": False}
+    optimizer = config.optimizer_from_config(cfg)
+    assert optimizer.inner_optimizer.use_ema and optimizer.inner_optimizer.ema_momentum == 0.999
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    steps = [0, 100, 3125, 20000]
+    np.testing.assert_array_equal(_values(_schedule(restored), steps), _values(_schedule(optimizer), steps))
+    assert restored.trust_coefficient == 0.01
+
+    adamw = config.optimizer_from_config(BERT_PRETRAINING.replace(
+        "type: adamw", "type: adamw\n      adamw: {weight_decay_rate: 0.01, exclude_from_weight_decay: ['bias$']}"))
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(adamw))
+    assert restored.get_config() == adamw.get_config()
+
+
+def test_adamw_decays_all_but_excluded_variables_like_model_garden():
+    lr, rate = 0.01, 0.1
+    optimizer = config.optimizer_from_config({
+        "optimizer": {"type": "adamw", "adamw": {
+            "weight_decay_rate": rate, "gradient_clip_norm": 0.0,
+            "exclude_from_weight_decay": ["bias"], "include_in_weight_decay": ["head/bias"]}},
+        "learning_rate": {"type": "constant", "constant": {"learning_rate": lr}},
+    })
+    model = helpers.make_model()
+    initial = model.get_weights()
+    grads = [g for g in helpers.gradient_stream([w.shape for w in initial], 1)[0][0]]
+    optimizer.apply(grads, model.trainable_variables)
+    # w <- w - lr * rate * w, then Adam; dense/bias excluded, head/bias re-included.
+    for w, g, got, decays in zip(initial, grads, model.get_weights(), [True, False, True, True]):
+        w = w.astype(np.float64)
+        decayed = w - lr * rate * w if decays else w
+        expected, _, _ = ref.keras_adam_step(decayed, g, np.zeros_like(w), np.zeros_like(w), 1, lr)
+        ref.assert_close(got, expected, "config AdamW")
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        ({"optimizer": {"type": "adagrad"}}, r"Unknown optimizer type 'adagrad'. Accepted: \['adam'"),
+        ({"optimizer": {"type": "sgd", "sgd": {"momentun": 0.9}}}, r"Unknown field\(s\) \['momentun'\] in optimizer.sgd"),
+        ({"optimizer": {"type": "sgd", "adam": {}}}, r"besides `type` and `sgd`"),
+        ({"optimizer": {"type": "sgd", "sgd": {"decay": 1e-4}}}, "time-based"),
+        ({"optimizer": {"type": "lars", "lars": {"classic_momentum": False}}}, "classic_momentum"),
+        ({"optimizer": {"type": "vr_lars", "vr_lars": {"eeta": 0.01, "trust_coefficient": 0.01}}}, "not both"),
+        ({"optimizer": {"type": "vr_adam", "vr_adam": {"gamma": 0.0}}}, "gamma"),
+        ({"optimizer": {"type": "larc", "larc": {}}}, "inner `optimizer`"),
+        ({"optimizer": {"type": "sgd"}, "learning_rate": {"type": "cosine", "cosine": {"decay_steps": 5}}},
+         r"needs \['initial_learning_rate'\]"),
+        ({"optimizer": {"type": "sgd"}, "learning_rate": {"type": "cyclic"}}, "Unknown learning_rate type"),
+        ({"optimizer": {"type": "sgd"}, "warmup": {"type": "linear", "linear": {"warmup_steps": 0}}}, "warmup_steps"),
+        ({"optimizer": {"type": "sgd"}, "ema": {"average_decay": 0.9}}, "dynamic_decay"),
+        ({"optimizer": {"type": "sgd"}, "gradient_clipping": 1.0}, r"Unknown key\(s\) \['gradient_clipping'\]"),
+        ("optimizer: !!python/object/apply:os.system ['true']", "Invalid YAML"),
+    ],
+)
+def test_bad_blocks_raise_naming_the_problem(cfg, message):
+    if isinstance(cfg, dict):
+        cfg.setdefault("learning_rate", {"type": "constant", "constant": {"learning_rate": 0.1}})
+    with pytest.raises(ValueError, match=message):
+        config.optimizer_from_config(cfg)
+
+
+def test_twin_block_switches_type_and_back():
+    block = config.load(MOBILEBERT_LAMB)
+    twin = config.twin_block(block)
+    assert twin["optimizer"]["type"] == "vr_lamb"
+    assert twin["optimizer"]["vr_lamb"] == block["optimizer"]["lamb"]
+    back = config.twin_block({**twin, "optimizer": {"type": "vr_lamb", "vr_lamb": {
+        **twin["optimizer"]["vr_lamb"], "gamma": 0.2}}})
+    assert back["optimizer"] == block["optimizer"]
+    with pytest.raises(ValueError, match="no VR twin"):
+        config.twin_block(config.load(BERT_PRETRAINING))
+
+
+def test_every_config_in_the_repository_builds():
+    paths = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
+    assert paths, "no configs found"
+    for path in paths:
+        optimizer = config.optimizer_from_config(path)
+        assert isinstance(_schedule(optimizer), keras.optimizers.schedules.LearningRateSchedule), path
+
+
+def test_committed_configs_are_what_the_generator_writes(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_configs", os.path.join(ROOT, "scripts", "make_configs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = module.write_all(str(tmp_path))
+    committed = sorted(glob.glob(os.path.join(ROOT, "configs", "*", "*.yaml")))
+    assert sorted(os.path.relpath(p, tmp_path) for p in written) == sorted(
+        os.path.relpath(p, ROOT) for p in committed)
+    for path in written:
+        with open(path) as a, open(os.path.join(ROOT, os.path.relpath(path, tmp_path))) as b:
+            assert a.read() == b.read(), path
+
+
+def test_paper_configs_carry_the_tables_values():
+    # Spot checks against the paper's tables (values typed from the PDF).
+    bert = config.load(os.path.join(ROOT, "configs/paper/bert_large_vr_lamb_64k-32k_phase2.yaml"))
+    block = bert["trainer"]["optimizer_config"]
+    assert block["optimizer"]["vr_lamb"]["gradient_accumulation_steps"] == 32
+    assert block["learning_rate"]["polynomial"]["initial_learning_rate"] == 0.0045
+    assert block["warmup"]["linear"]["warmup_steps"] == 200
+    imagenet = config.optimizer_from_config(os.path.join(ROOT, "configs/paper/imagenet_resnet50_vr_lars_16k.yaml"))
+    assert isinstance(imagenet, tf_vrgd.VRLARS) and imagenet.gamma == 0.1
+    assert float(imagenet._learning_rate(10**6)) == 0.0  # cosine to 0
+    cifar = config.load(os.path.join(ROOT, "configs/paper/cifar10_resnet56_vr_adam_8k.yaml"))
+    lr = cifar["trainer"]["optimizer_config"]["learning_rate"]["cosine"]["initial_learning_rate"]
+    assert lr == pytest.approx(192 / (2**-1 * 1e4))

@@ -1,0 +1,451 @@
+"""Keras 3 optimizers from TF Model Garden `optimization` blocks.
+
+A block has the layout of Model Garden's `OptimizationConfig`
+(`official/modeling/optimization/configs/`, checked against the 2023
+tensorflow/models sources)::
+
+    optimizer:
+      type: lamb                      # one-of: the key below names the type
+      lamb: {weight_decay_rate: 0.01, exclude_from_weight_decay: [bias]}
+    learning_rate:
+      type: polynomial
+      polynomial: {initial_learning_rate: 0.001, decay_steps: 10000}
+    warmup:                           # optional
+      type: linear
+      linear: {warmup_steps: 1000}
+    ema:                              # optional
+      average_decay: 0.999
+      dynamic_decay: false
+
+Model Garden's own types keep their field names and defaults (`sgd`,
+`adam`, `adamw`, `lamb`, `lars`); this package adds `larc` (fields of
+`tf_vrgd.LARC` plus an inner `optimizer` block) and `vr_sgd`, `vr_adam`,
+`vr_lamb`, `vr_lars`, whose fields are their constructors' arguments and
+also the fields of their base type, so that renaming `lamb` to `vr_lamb`
+switches a published block to its VR twin.
+
+Unknown types and fields raise `ValueError` naming them and listing what is
+accepted; a field this package cannot honour raises too. YAML is read with
+a `yaml.SafeLoader` (no arbitrary objects).
+"""
+
+import dataclasses
+import inspect
+import os
+import re
+
+import keras
+import yaml
+
+from tf_vrgd import schedules
+from tf_vrgd._exclusion import LayerwiseExclusionMixin
+from tf_vrgd.lamb import LAMB
+from tf_vrgd.larc import LARC
+from tf_vrgd.lars import LARS
+from tf_vrgd.vr_adam import VRAdam
+from tf_vrgd.vr_lamb import VRLAMB
+from tf_vrgd.vr_lars import VRLARS
+from tf_vrgd.vr_sgd import VRSGD
+
+# Model Garden's BaseOptimizerConfig fields, the same in Keras 3.
+_CLIP_FIELDS = {"clipnorm": None, "clipvalue": None, "global_clipnorm": None}
+
+
+@keras.saving.register_keras_serializable(package="tf_vrgd")
+class AdamWeightDecay(LayerwiseExclusionMixin, keras.optimizers.AdamW):
+    """Keras AdamW with Model Garden's `adamw` weight-decay selection.
+
+    Model Garden's `AdamWeightDecay` decays ``w <- w - lr * rate * w``
+    before the Adam step (what Keras' AdamW does), except for variables whose
+    name matches an `exclude_from_weight_decay` regex, unless one of
+    `include_in_weight_decay` matches first. Both lists are saved.
+    """
+
+    def __init__(self, include_in_weight_decay=None, exclude_from_weight_decay=None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self._init_exclusions(exclude_from_weight_decay, None)
+        self._include_patterns = [str(p) for p in include_in_weight_decay or []] or None
+
+    def _use_weight_decay(self, variable):
+        if self._matches(self._include_patterns, variable):
+            return True
+        return super()._use_weight_decay(variable)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "include_in_weight_decay": self._include_patterns,
+            "exclude_from_weight_decay": self._weight_decay_patterns,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Type:
+    """One optimizer type: its fields with defaults, and a builder taking
+    (learning_rate, fields) and returning a Keras optimizer."""
+
+    fields: dict
+    build: callable
+
+
+def _keras_kwargs(fields, extra):
+    """Model Garden's base fields (which Keras takes as they are) and the
+    Keras arguments `extra` (from the `ema` block)."""
+    return {**{k: fields[k] for k in ("name", *_CLIP_FIELDS) if fields.get(k) is not None},
+            **extra}
+
+
+def _without(fields, *names):
+    return {k: v for k, v in fields.items() if k not in names}
+
+
+def _check_sgd_decay(fields):
+    if fields.get("decay"):
+        raise ValueError(
+            "`decay` (Keras 2's time-based learning-rate decay) has no Keras 3 "
+            "equivalent; use a `learning_rate` schedule. Received: "
+            f"decay={fields['decay']}"
+        )
+    return _without(fields, "decay")
+
+
+def _lars_to_tf_vrgd(fields):
+    """Model Garden `lars` names -> `tf_vrgd.LARS` arguments."""
+    if not fields.get("classic_momentum", True):
+        raise ValueError(
+            "`classic_momentum: false` (LARS 'popular' momentum, learning rate "
+            "applied after the momentum) is not implemented; tf_vrgd.LARS uses "
+            "classic momentum (ALGORITHMS.md §4). Received: classic_momentum=False"
+        )
+    out = _without(fields, "eeta", "classic_momentum")
+    if fields.get("eeta") is not None:
+        out["trust_coefficient"] = fields["eeta"]
+    return out
+
+
+def _constructor_fields(cls, exclude=("learning_rate",)):
+    """A class's named constructor arguments with their defaults."""
+    parameters = inspect.signature(cls.__init__).parameters
+    return {
+        name: p.default
+        for name, p in parameters.items()
+        if name not in ("self", *exclude) and p.kind is p.POSITIONAL_OR_KEYWORD
+    }
+
+
+_SGD = {"name": "SGD", **_CLIP_FIELDS, "decay": 0.0, "nesterov": False, "momentum": 0.0}
+_ADAM = {"name": "Adam", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999,
+         "epsilon": 1e-7, "amsgrad": False}
+_LAMB = {"name": "LAMB", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-6,
+         "weight_decay_rate": 0.0, "exclude_from_weight_decay": None,
+         "exclude_from_layer_adaptation": None}
+# `eeta` (Model Garden's trust coefficient) defaults to 0.001 when unset.
+_LARS = {"name": "LARS", **_CLIP_FIELDS, "momentum": 0.9, "eeta": None,
+         "weight_decay_rate": 0.0, "nesterov": False, "classic_momentum": True,
+         "exclude_from_weight_decay": None, "exclude_from_layer_adaptation": None}
+_ADAMW = {"name": "AdamWeightDecay", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999,
+          "epsilon": 1e-7, "amsgrad": False, "weight_decay_rate": 0.0,
+          "include_in_weight_decay": None, "exclude_from_weight_decay": None,
+          "gradient_clip_norm": 1.0}
+
+
+def _build_sgd(lr, f, extra):
+    f = _check_sgd_decay(f)
+    return keras.optimizers.SGD(lr, momentum=f["momentum"], nesterov=f["nesterov"],
+                                **_keras_kwargs(f, extra))
+
+
+def _build_adam(lr, f, extra):
+    return keras.optimizers.Adam(lr, beta_1=f["beta_1"], beta_2=f["beta_2"],
+                                 epsilon=f["epsilon"], amsgrad=f["amsgrad"],
+                                 **_keras_kwargs(f, extra))
+
+
+def _build_adamw(lr, f, extra):
+    kwargs = _keras_kwargs(f, extra)
+    # Model Garden clips by global norm when gradient_clip_norm > 0.
+    if f["gradient_clip_norm"] and f["gradient_clip_norm"] > 0:
+        if kwargs.get("global_clipnorm") is not None:
+            raise ValueError("Give `gradient_clip_norm` or `global_clipnorm`, not both.")
+        kwargs["global_clipnorm"] = f["gradient_clip_norm"]
+    return AdamWeightDecay(
+        learning_rate=lr, beta_1=f["beta_1"], beta_2=f["beta_2"], epsilon=f["epsilon"],
+        amsgrad=f["amsgrad"], weight_decay=f["weight_decay_rate"],
+        include_in_weight_decay=f["include_in_weight_decay"],
+        exclude_from_weight_decay=f["exclude_from_weight_decay"], **kwargs,
+    )
+
+
+def _build_with(cls, translate=None):
+    """A builder passing every field to `cls` (after `translate`)."""
+    def build(lr, f, extra):
+        f = translate(f) if translate else f
+        return cls(lr, **_without(f, "name", *_CLIP_FIELDS), **_keras_kwargs(f, extra))
+
+    return build
+
+
+def _vr_type(cls, base_fields, translate=None):
+    """A VR type: its constructor's arguments, the base type's fields and
+    the Keras arguments that matter for it."""
+    fields = {**base_fields, **_constructor_fields(cls), "name": None,
+              "weight_decay": None, "gradient_accumulation_steps": None}
+    return _Type(fields, _build_with(cls, translate))
+
+
+OPTIMIZER_TYPES = {
+    "sgd": _Type(_SGD, _build_sgd),
+    "adam": _Type(_ADAM, _build_adam),
+    "adamw": _Type(_ADAMW, _build_adamw),
+    "lamb": _Type(_LAMB, _build_with(LAMB)),
+    "lars": _Type(_LARS, _build_with(LARS, _lars_to_tf_vrgd)),
+    "vr_sgd": _vr_type(VRSGD, _SGD, _check_sgd_decay),
+    "vr_adam": _vr_type(VRAdam, _ADAM),
+    "vr_lamb": _vr_type(VRLAMB, _LAMB),
+    "vr_lars": _vr_type(VRLARS, _LARS, _lars_to_tf_vrgd),
+}
+LARC_FIELDS = {**_constructor_fields(LARC, exclude=("optimizer",)), "optimizer": None}
+
+# Learning-rate types: fields with Model Garden defaults (None = required).
+LEARNING_RATE_TYPES = {
+    "constant": {"name": "Constant", "learning_rate": 0.1},
+    "stepwise": {"name": "PiecewiseConstantDecay", "boundaries": None, "values": None,
+                 "offset": 0},
+    "exponential": {"name": "ExponentialDecay", "initial_learning_rate": None,
+                    "decay_steps": None, "decay_rate": None, "staircase": False, "offset": 0},
+    "polynomial": {"name": "PolynomialDecay", "initial_learning_rate": None,
+                   "decay_steps": None, "end_learning_rate": 0.0001, "power": 1.0,
+                   "cycle": False, "offset": 0},
+    "cosine": {"name": "CosineDecay", "initial_learning_rate": None, "decay_steps": None,
+               "alpha": 0.0, "offset": 0},
+}
+WARMUP_TYPES = {
+    "linear": {"name": "linear", "warmup_learning_rate": 0.0, "warmup_steps": None},
+    "polynomial": {"name": "polynomial", "power": 1.0, "warmup_steps": None},
+}
+EMA_FIELDS = {"name": "ExponentialMovingAverage", **_CLIP_FIELDS,
+              "trainable_weights_only": True, "average_decay": 0.99, "start_step": 0,
+              "dynamic_decay": True}
+BLOCK_KEYS = ("optimizer", "learning_rate", "warmup", "ema")
+
+
+class _SafeLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that also reads ``1e-4`` (no dot) as a float, as
+    Model Garden's loader does (YAML 1.1 would make it a string)."""
+
+
+_SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def load(cfg):
+    """A dict from a dict, a YAML string or a path to a YAML file (safe
+    loader only)."""
+    if isinstance(cfg, dict):
+        return cfg
+    if isinstance(cfg, os.PathLike) or (isinstance(cfg, str) and "\n" not in cfg
+                                        and os.path.exists(cfg)):
+        with open(cfg) as f:
+            cfg = f.read()
+    if not isinstance(cfg, str):
+        raise ValueError(f"Expected a dict, a YAML string or a path. Received: {cfg!r}")
+    try:
+        loaded = yaml.load(cfg, Loader=_SafeLoader)
+    except yaml.YAMLError as error:
+        raise ValueError(f"Invalid YAML: {error}") from error
+    if not isinstance(loaded, dict):
+        raise ValueError(f"The YAML does not hold a mapping. Received: {cfg[:200]!r}")
+    return loaded
+
+
+def optimization_block(cfg):
+    """The `optimization` block of `cfg`: the block itself, or a Model Garden
+    experiment's `trainer.optimizer_config`."""
+    cfg = load(cfg)
+    if "trainer" in cfg:
+        trainer = cfg["trainer"] or {}
+        if "optimizer_config" not in trainer:
+            raise ValueError("The experiment's `trainer` has no `optimizer_config`.")
+        return trainer["optimizer_config"]
+    return cfg
+
+
+def _fields(what, given, accepted):
+    """`accepted` (defaults) updated with `given`; unknown fields raise."""
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"Unknown field(s) {unknown} in {what}. Accepted: {sorted(accepted)}"
+        )
+    return {**accepted, **given}
+
+
+def _one_of(what, block, types):
+    """Model Garden's one-of: ``{type: t, t: {...}}`` -> (t, fields)."""
+    if not isinstance(block, dict):
+        raise ValueError(f"`{what}` must be a mapping. Received: {block!r}")
+    kind = block.get("type")
+    if kind not in types:
+        raise ValueError(
+            f"Unknown {what} type {kind!r}. Accepted: {sorted(types)}"
+        )
+    extra = sorted(set(block) - {"type", kind})
+    if extra:
+        raise ValueError(
+            f"`{what}` has key(s) {extra} besides `type` and `{kind}`; a one-of "
+            "block holds only the chosen type's fields."
+        )
+    return kind, block.get(kind) or {}
+
+
+def _required(what, fields, *names):
+    missing = [n for n in names if fields.get(n) is None]
+    if missing:
+        raise ValueError(f"{what} needs {missing}.")
+
+
+def learning_rate_from_config(block):
+    """A Keras 3 `LearningRateSchedule` from `learning_rate` (+ `warmup`)."""
+    cfg = block.get("learning_rate")
+    if cfg is None:
+        raise ValueError(
+            "The optimization block has no `learning_rate`. Accepted types: "
+            f"{sorted(LEARNING_RATE_TYPES)}"
+        )
+    kind, given = _one_of("learning_rate", cfg, LEARNING_RATE_TYPES)
+    f = _fields(f"learning_rate.{kind}", given, LEARNING_RATE_TYPES[kind])
+    what = f"learning_rate.{kind}"
+    S = keras.optimizers.schedules
+    if kind == "constant":
+        schedule = schedules.Constant(f["learning_rate"])
+    elif kind == "stepwise":
+        _required(what, f, "boundaries", "values")
+        schedule = S.PiecewiseConstantDecay(list(f["boundaries"]), list(f["values"]))
+    elif kind == "exponential":
+        _required(what, f, "initial_learning_rate", "decay_steps", "decay_rate")
+        schedule = S.ExponentialDecay(f["initial_learning_rate"], f["decay_steps"],
+                                      f["decay_rate"], staircase=bool(f["staircase"]))
+    elif kind == "polynomial":
+        _required(what, f, "initial_learning_rate", "decay_steps")
+        schedule = S.PolynomialDecay(f["initial_learning_rate"], f["decay_steps"],
+                                     f["end_learning_rate"], f["power"], cycle=f["cycle"])
+    else:
+        _required(what, f, "initial_learning_rate", "decay_steps")
+        schedule = S.CosineDecay(f["initial_learning_rate"], f["decay_steps"], alpha=f["alpha"])
+    if f.get("offset"):
+        schedule = schedules.Offset(schedule, f["offset"])
+
+    warmup = block.get("warmup")
+    if warmup is not None and warmup.get("type") is not None:
+        kind, given = _one_of("warmup", warmup, WARMUP_TYPES)
+        w = _fields(f"warmup.{kind}", given, WARMUP_TYPES[kind])
+        _required(f"warmup.{kind}", w, "warmup_steps")
+        if kind == "linear":
+            if w["warmup_steps"] <= 0:
+                raise ValueError(f"warmup.linear.warmup_steps must be > 0. Received: {w['warmup_steps']}")
+            schedule = schedules.LinearWarmup(schedule, w["warmup_steps"], w["warmup_learning_rate"])
+        else:
+            schedule = schedules.PolynomialWarmup(schedule, w["warmup_steps"], w["power"])
+    return schedule
+
+
+def _ema_kwargs(block):
+    cfg = block.get("ema")
+    if cfg is None:
+        return {}
+    f = _fields("ema", cfg, EMA_FIELDS)
+    refused = {
+        "dynamic_decay": (f["dynamic_decay"], False),
+        "start_step": (f["start_step"], 0),
+        "trainable_weights_only": (f["trainable_weights_only"], True),
+    }
+    for name, (value, supported) in refused.items():
+        if value != supported:
+            raise ValueError(
+                f"ema.{name}={value!r} has no Keras 3 equivalent (Keras' EMA "
+                f"averages trainable weights from step 0 at a fixed decay); set "
+                f"`{name}: {str(supported).lower()}` explicitly."
+            )
+    if any(f[k] is not None for k in _CLIP_FIELDS):
+        raise ValueError("Clip gradients in the `optimizer` block, not in `ema`.")
+    return {"use_ema": True, "ema_momentum": f["average_decay"]}
+
+
+def _optimizer(block_name, cfg, learning_rate, extra):
+    kind, given = _one_of(block_name, cfg, {**OPTIMIZER_TYPES, "larc": None})
+    what = f"{block_name}.{kind}"
+    if kind == "larc":
+        f = _fields(what, given, LARC_FIELDS)
+        if f["optimizer"] is None:
+            raise ValueError(f"{what} needs an inner `optimizer` block.")
+        inner = _optimizer(f"{what}.optimizer", f.pop("optimizer"), learning_rate, extra)
+        return LARC(inner, **f)
+    if "eeta" in given and "trust_coefficient" in given:
+        raise ValueError(f"{what}: give `eeta` or `trust_coefficient`, not both.")
+    f = _fields(what, given, OPTIMIZER_TYPES[kind].fields)
+    return OPTIMIZER_TYPES[kind].build(learning_rate, f, extra)
+
+
+def optimizer_from_config(cfg):
+    """A Keras 3 optimizer from a Model Garden `optimization` block.
+
+    Args:
+        cfg: a dict, a YAML string, or a path to a YAML file, holding the
+            block (`optimizer`, `learning_rate`, optional `warmup` and `ema`)
+            or a whole experiment (its `trainer.optimizer_config`).
+
+    Returns:
+        The optimizer; its learning rate is a serializable
+        `keras.optimizers.schedules.LearningRateSchedule`.
+    """
+    block = optimization_block(cfg)
+    unknown = sorted(set(block) - set(BLOCK_KEYS))
+    if unknown:
+        raise ValueError(f"Unknown key(s) {unknown} in the optimization block. Accepted: {list(BLOCK_KEYS)}")
+    if "optimizer" not in block:
+        raise ValueError("The optimization block has no `optimizer`.")
+    _one_of("optimizer", block["optimizer"], {**OPTIMIZER_TYPES, "larc": None})
+    learning_rate = learning_rate_from_config(block)
+    return _optimizer("optimizer", block["optimizer"], learning_rate, _ema_kwargs(block))
+
+
+def vr_twin_type(kind):
+    """`lamb` <-> `vr_lamb` and so on; None for types without a twin."""
+    if kind.startswith("vr_"):
+        return kind[3:] if kind[3:] in OPTIMIZER_TYPES else None
+    return f"vr_{kind}" if f"vr_{kind}" in OPTIMIZER_TYPES else None
+
+
+def twin_block(block):
+    """The optimization block with its optimizer switched to the VR twin
+    (or back): the type and the key below it are renamed, fields kept
+    (fields only the VR type knows are dropped on the way back)."""
+    block = dict(block)
+    optimizer = dict(block["optimizer"])
+    kind = optimizer["type"]
+    twin = vr_twin_type(kind)
+    if twin is None:
+        raise ValueError(f"Optimizer type {kind!r} has no VR twin. Twins: "
+                         f"{sorted(k for k in OPTIMIZER_TYPES if vr_twin_type(k))}")
+    fields = dict(optimizer.get(kind) or {})
+    if not twin.startswith("vr_"):
+        fields = {k: v for k, v in fields.items() if k in OPTIMIZER_TYPES[twin].fields}
+    block["optimizer"] = {"type": twin, twin: fields}
+    return block
+
+
+def optimizer_type(cfg):
+    return optimization_block(cfg)["optimizer"]["type"]
+
