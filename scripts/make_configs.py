@@ -91,7 +91,8 @@ FASHION_EPOCHS = 10
 FASHION_REPLICAS = 4
 FASHION_WIDTH = 16
 # Learning rates at batch 256, scaled by sqrt(batch / 256) (the paper's
-# square-root rule). Chosen from the sweep's grid at batch 256 (docs/RESULTS.md).
+# square-root rule): common values for these optimizers on small CNNs, not
+# tuned; scripts/sweep.py searches a grid around them.
 FASHION_BASE = {
     "momentum": ("sgd", {"momentum": 0.9}, 0.05),
     "adam": ("adam", {}, 0.002),

@@ -283,6 +283,13 @@ class GSNRMixin:
         }
 
 
+def find_vr_optimizer(optimizer):
+    """The VR optimizer inside wrappers (LossScaleOptimizer, LARC), or None."""
+    while optimizer is not None and not isinstance(optimizer, GSNRMixin):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return optimizer
+
+
 def summarize_gsnr_sums(row):
     """``[sums of mean GSNR, at gamma, at 1, updates]`` -> their averages."""
     updates = float(row[3])

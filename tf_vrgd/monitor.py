@@ -56,18 +56,14 @@ class GSNRMonitor(keras.callbacks.Callback):
         self._last_sums = None
 
     def _vr_optimizer(self):
-        """The model's optimizer, unwrapped from LossScaleOptimizer / LARC."""
-        optimizer = self.model.optimizer
-        while not isinstance(optimizer, _gsnr.GSNRMixin):
-            inner = getattr(optimizer, "inner_optimizer", None)
-            if inner is None:
-                raise ValueError(
-                    "GSNRMonitor needs a VR optimizer (tf_vrgd.VRSGD, VRAdam, "
-                    "VRLARS, VRLAMB, possibly wrapped in LARC or "
-                    "LossScaleOptimizer). Received: "
-                    f"{type(self.model.optimizer).__name__}"
-                )
-            optimizer = inner
+        optimizer = _gsnr.find_vr_optimizer(self.model.optimizer)
+        if optimizer is None:
+            raise ValueError(
+                "GSNRMonitor needs a VR optimizer (tf_vrgd.VRSGD, VRAdam, "
+                "VRLARS, VRLAMB, possibly wrapped in LARC or "
+                "LossScaleOptimizer). Received: "
+                f"{type(self.model.optimizer).__name__}"
+            )
         return optimizer
 
     def on_train_begin(self, logs=None):

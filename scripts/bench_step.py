@@ -1,0 +1,54 @@
+"""Step cost of each VR optimizer (and LARC) against its base, side by side.
+
+    python scripts/bench_step.py                     # everything
+    python scripts/bench_step.py --pairs Adam --kinds update --models mlp
+
+Prints, per model and device set-up, the median seconds per call of each
+optimizer (interleaved repetitions, one process), the VR/base ratios, the
+XLA/non-XLA ratio of the VR update, and the achieved memory traffic of each
+update against the machine's copy bandwidth. See `tf_vrgd/benchmark.py`.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=4,
+                        help="logical CPU replicas (or GPUs, if present) for the mirrored set-up")
+    parser.add_argument("--accumulation", type=int, default=4,
+                        help="micro-steps per update in the one-device set-up")
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
+    parser.add_argument("--setups", nargs="+", default=["mirrored", "accumulation"],
+                        choices=["mirrored", "accumulation"])
+    parser.add_argument("--pairs", nargs="+", default=None,
+                        help="subset of: Momentum Adam LAMB LARS LARC")
+    parser.add_argument("--kinds", nargs="+", default=["update", "train step"],
+                        choices=["update", "train step"])
+    parser.add_argument("--batch", type=int, default=256, help="global batch of the train step")
+    parser.add_argument("--steps", type=int, default=5, help="calls per timed repetition")
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved repetitions")
+    parser.add_argument("--mlp-parameters", type=int, default=10_000_000)
+    args = parser.parse_args(argv)
+
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        cpus = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * args.replicas
+        )
+
+    from tf_vrgd import benchmark
+
+    benchmark.run(args, gpus)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

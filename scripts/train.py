@@ -1,0 +1,8 @@
+"""Same as the `vrgd-train` command: python scripts/train.py --help."""
+
+import sys
+
+from tf_vrgd.train import main
+
+if __name__ == "__main__":
+    sys.exit(main())

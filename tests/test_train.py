@@ -1,0 +1,156 @@
+"""The offline Fashion-MNIST pipeline and `vrgd-train`: verification of the
+decoded data, resumable data order, and a kill -9 mid-run that resumes to
+the weights of an uninterrupted run.
+
+The data are synthetic IDX files with Fashion-MNIST's layout (60000/10000
+examples, 28x28, ten balanced classes), built once per session through the
+same tensorflow-datasets path as the real files.
+"""
+
+import gzip
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from tf_vrgd import data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write_idx(path, array):
+    """IDX: magic (0, 0, 0x08 = uint8, ndim), big-endian dims, data."""
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(struct.pack(">BBBB", 0, 0, 8, array.ndim))
+        f.write(struct.pack(f">{array.ndim}I", *array.shape))
+        f.write(array.astype(np.uint8).tobytes())
+
+
+def _synthetic_split(count, seed):
+    rng = np.random.default_rng(seed)
+    labels = rng.permutation(np.arange(count) % 10).astype(np.uint8)
+    images = np.zeros((count, 28, 28), np.uint8)
+    for label in range(10):  # a bright horizontal band per class, plus noise
+        images[labels == label, 2 * label + 4: 2 * label + 8, 4:24] = 200
+    noise = rng.integers(0, 60, size=(count, 28, 28), dtype=np.uint8)
+    return images | (noise & 0b00110000), labels
+
+
+@pytest.fixture(scope="session")
+def fashion(tmp_path_factory):
+    """(IDX folder, prepared tfds cache folder) of a synthetic Fashion-MNIST."""
+    idx = tmp_path_factory.mktemp("fashion_idx")
+    for prefix, count, seed in (("train", 60000, 0), ("t10k", 10000, 1)):
+        images, labels = _synthetic_split(count, seed)
+        _write_idx(idx / f"{prefix}-images-idx3-ubyte.gz", images)
+        _write_idx(idx / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    cache = tmp_path_factory.mktemp("tfds")
+    data.load(str(idx), str(cache))
+    return str(idx), str(cache)
+
+
+def test_load_decodes_and_verifies_through_tfds(fashion):
+    (x, y), (xt, yt) = data.load(*fashion)
+    assert x.shape == (60000, 28, 28, 1) and xt.shape == (10000, 28, 28, 1)
+    assert np.bincount(y).tolist() == [6000] * 10 and np.bincount(yt).tolist() == [1000] * 10
+    # The bands were written per class: the decoded images carry them.
+    assert np.all(x[y == 3][:, 12, 10, 0] >= 200)
+    assert os.path.exists(os.path.join(fashion[1], "fashion_mnist", "3.0.1", "fashion_mnist_arrays.npz"))
+
+
+def test_missing_files_say_how_to_get_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        data.load(str(tmp_path), str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda x, y: (x[:-1], y[:-1]), "expected \\(60000, 28, 28, 1\\)"),
+        (lambda x, y: (x, np.where(y == 3, 4, y)), "class counts"),
+        (lambda x, y: (np.zeros_like(x), y), "blank"),
+    ],
+)
+def test_verification_rejects_wrong_content(change, message):
+    images, labels = _synthetic_split(60000, 0)
+    x, y = change(images[..., None], labels.astype(np.int64))
+    with pytest.raises(ValueError, match=message):
+        data.verify(x, y, "train")
+
+
+def test_epoch_order_depends_only_on_seed_and_epoch():
+    x = np.arange(40, dtype=np.uint8).reshape(40, 1, 1, 1).repeat(28, 1).repeat(28, 2)
+    y = np.arange(40) % 10
+
+    def labels(ds):
+        return [b[1].numpy().tolist() for b in ds]
+
+    full = labels(data.dataset(x, y, 8, seed=3, epochs=3))
+    resumed = labels(data.dataset(x, y, 8, seed=3, epochs=3, initial_epoch=1))
+    assert len(full) == 15 and resumed == full[5:]
+    assert full[:5] != full[5:10]  # reshuffled every epoch
+    assert sorted(sum(full[:5], [])) == sorted(y.tolist())
+
+
+def _command(fashion, output, epochs):
+    idx, cache = fashion
+    return [
+        sys.executable, "-m", "tf_vrgd.train",
+        "--config", os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b256.yaml"),
+        "--compare", "--output", str(output), "--data-dir", idx, "--cache-dir", cache,
+        "--train-examples", "2048", "--batch-size", "512", "--epochs", str(epochs),
+        "--replicas", "2", "--deterministic", "--verbose", "0",
+    ]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+
+
+def _final_weights(run_dir):
+    with h5py.File(os.path.join(run_dir, "final.weights.h5"), "r") as f:
+        arrays = {}
+        f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+    return arrays
+
+
+def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
+    epochs = 3
+    straight = tmp_path / "straight"
+    done = subprocess.run(_command(fashion, straight, epochs), env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lamb" in done.stdout and "vr_lamb" in done.stdout and "test_acc" in done.stdout
+    for name in ("accuracy.png", "loss.png", "gsnr_vr_lamb.png", "summary.json"):
+        assert (straight / name).exists(), name
+
+    interrupted = tmp_path / "interrupted"
+    process = subprocess.Popen(_command(fashion, interrupted, epochs), env=_env(), cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = interrupted / "lamb" / "checkpoint-epoch1.keras"
+    deadline = time.time() + 300
+    while not first.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert first.exists() and not (interrupted / "lamb" / "final.weights.h5").exists()
+
+    resumed = subprocess.run(_command(fashion, interrupted, epochs), env=_env(), cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming after epoch" in resumed.stdout
+    for run in ("lamb", "vr_lamb"):
+        expected, got = _final_weights(straight / run), _final_weights(interrupted / run)
+        assert expected.keys() == got.keys() and expected
+        for key in expected:
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{run}: {key}")
+        with open(interrupted / run / "metrics.jsonl") as f:
+            assert [json.loads(line)["epoch"] for line in f] == list(range(epochs))

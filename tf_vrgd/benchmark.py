@@ -1,0 +1,235 @@
+"""Side-by-side step-cost measurement (used by `scripts/bench_step.py`).
+
+Candidates are timed in one process, interleaved repetition by repetition,
+and summarised by medians, so that the ratios between them are measured
+under the same machine noise. Two things are timed:
+
+- the optimizer-only update: `optimizer.apply` on fixed per-replica
+  gradients (no forward or backward pass), and
+- the full training step: forward, backward and update on a fixed batch.
+
+Bytes per parameter moved by each update rule (fp32, one pass per tensor
+read or written; what a fused kernel could reach at best):
+
+    SGD + momentum   reads g, w, m; writes w, m                      20 B
+    Adam / Lamb      reads g, w, m, v; writes w, m, v                28 B
+    LARS             reads g, w, v; writes w, v (+ 2 norm passes)    20 B
+    VR adds          reads the square sum (4 B) and, with beta_3 > 0,
+                     reads and writes the GSNR momentum (8 B)        +4 or +12 B
+"""
+
+import statistics
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+UPDATE_BYTES_PER_PARAMETER = {
+    "SGD": 20,
+    "Adam": 28,
+    "Lamb": 28,
+    "LARS": 20,
+}
+# Extra bytes of the VR twin: the second sum, and the GSNR momentum if any.
+VR_EXTRA_BYTES = {"sum of squares": 4, "gsnr momentum": 8}
+
+
+def memory_bandwidth(megabytes=256, repeats=5):
+    """Bytes/s of a large array copy (bytes read plus bytes written), the
+    best of `repeats`."""
+    source = np.ones(megabytes * 2**20 // 8, np.float64)
+    target = np.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best
+
+
+def mlp(parameters=10_000_000, inputs=784, outputs=10):
+    """A 3-hidden-layer MLP with about `parameters` weights."""
+    # inputs*h + 2*h*h + h*outputs ~= parameters
+    a, b, c = 2.0, inputs + outputs, -float(parameters)
+    width = int((-b + np.sqrt(b * b - 4 * a * c)) / (2 * a))
+    return keras.Sequential(
+        [
+            keras.Input((inputs,)),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(outputs),
+        ]
+    )
+
+
+def parameter_count(model):
+    return int(sum(np.prod(v.shape) for v in model.trainable_variables))
+
+
+class Candidate:
+    """One optimizer on its own copy of a model, with compiled update and
+    training-step functions."""
+
+    def __init__(self, name, make_optimizer, make_model, strategy, batch, seed=0):
+        self.name = name
+        self.strategy = strategy
+        with strategy.scope():
+            keras.utils.set_random_seed(seed)
+            self.model = make_model()
+            self.optimizer = make_optimizer()
+            self.optimizer.build(self.model.trainable_variables)
+        variables = self.model.trainable_variables
+        replicas = strategy.num_replicas_in_sync
+        rng = np.random.default_rng(seed)
+        # Per-replica gradients, stacked: replica r takes slice r.
+        self._gradients = [
+            tf.constant(rng.standard_normal((replicas, *v.shape)).astype(np.float32) * 1e-3)
+            for v in variables
+        ]
+        x, y = batch
+        self._x, self._y = tf.constant(x), tf.constant(y)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="none"
+        )
+        global_batch = int(x.shape[0])
+
+        @tf.function
+        def update():
+            def replica_fn():
+                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+                grads = [tf.gather(g, replica) / replicas for g in self._gradients]
+                self.optimizer.apply(grads, variables)
+
+            strategy.run(replica_fn)
+
+        @tf.function
+        def train_step():
+            def replica_fn():
+                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+                local = global_batch // replicas
+                xs = self._x[replica * local:(replica + 1) * local]
+                ys = self._y[replica * local:(replica + 1) * local]
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(
+                        loss_fn(ys, self.model(xs, training=True)),
+                        global_batch_size=global_batch,
+                    )
+                grads = tape.gradient(loss, variables)
+                self.optimizer.apply(grads, variables)
+
+            strategy.run(replica_fn)
+
+        self.functions = {"update": update, "train step": train_step}
+
+    def time(self, kind, steps):
+        function = self.functions[kind]
+        start = time.perf_counter()
+        for _ in range(steps):
+            function()
+        # The last step's result is on the device: read a weight to wait.
+        self.model.trainable_variables[0].numpy()
+        return (time.perf_counter() - start) / steps
+
+
+def compare(candidates, kind, steps=10, repeats=7, warmup=3):
+    """Median seconds per call of each candidate, interleaved.
+
+    Returns a dict name -> median seconds.
+    """
+    for candidate in candidates:
+        candidate.time(kind, warmup)
+    samples = {c.name: [] for c in candidates}
+    for _ in range(repeats):
+        for candidate in candidates:
+            samples[candidate.name].append(candidate.time(kind, steps))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def cnn():
+    """The small Fashion-MNIST CNN of the CPU-scale experiments."""
+    from tf_vrgd import models
+
+    return models.fashion_mnist_cnn()
+
+
+def pairs():
+    """name -> (base factory, VR-or-wrapper factory, base bytes/param key)."""
+    import tf_vrgd
+
+    return {
+        "Momentum": (lambda **k: keras.optimizers.SGD(0.01, momentum=0.9, **k),
+                     lambda **k: tf_vrgd.VRSGD(0.01, momentum=0.9, **k), "SGD"),
+        "Adam": (lambda **k: keras.optimizers.Adam(1e-3, **k),
+                 lambda **k: tf_vrgd.VRAdam(1e-3, **k), "Adam"),
+        "LAMB": (lambda **k: keras.optimizers.Lamb(1e-3, **k),
+                 lambda **k: tf_vrgd.VRLAMB(1e-3, **k), "Lamb"),
+        "LARS": (lambda **k: tf_vrgd.LARS(0.1, **k),
+                 lambda **k: tf_vrgd.VRLARS(0.1, **k), "LARS"),
+        "LARC": (lambda **k: keras.optimizers.SGD(0.01, momentum=0.9, **k),
+                 lambda **k: tf_vrgd.LARC(keras.optimizers.SGD(0.01, momentum=0.9, **k)), "SGD"),
+    }
+
+
+def _vr_bytes(pair_name, optimizer):
+    base = UPDATE_BYTES_PER_PARAMETER[pairs()[pair_name][2]]
+    if pair_name == "LARC":
+        return base
+    extra = VR_EXTRA_BYTES["sum of squares"]
+    if getattr(optimizer, "beta_3", 0) > 0:
+        extra += VR_EXTRA_BYTES["gsnr momentum"]
+    return base + extra
+
+
+def run(args, gpus):
+    """The whole `bench_step.py` matrix; prints tables."""
+    bandwidth = memory_bandwidth()
+    print(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    chosen = {k: v for k, v in pairs().items() if not args.pairs or k in args.pairs}
+    model_fns = {"mlp": lambda: mlp(args.mlp_parameters), "cnn": cnn}
+    rng = np.random.default_rng(0)
+    batch = (rng.random((args.batch, 28, 28, 1), np.float32),
+             rng.integers(0, 10, args.batch).astype(np.int32))
+    for setup in args.setups:
+        if setup == "mirrored":
+            devices = ([f"/gpu:{i}" for i in range(len(gpus))] if gpus
+                       else [f"/cpu:{i}" for i in range(args.replicas)])
+            strategy = tf.distribute.MirroredStrategy(devices)
+            extra = {}
+        else:
+            strategy = tf.distribute.get_strategy()
+            extra = {"gradient_accumulation_steps": args.accumulation}
+        copies = strategy.num_replicas_in_sync
+        for model_name in args.models:
+            make_model = model_fns[model_name]
+            x = batch[0].reshape(args.batch, -1) if model_name == "mlp" else batch[0]
+            params = parameter_count(make_model())
+            print(f"\n== {model_name} ({params / 1e6:.2f} M parameters), {setup}: "
+                  f"{copies} replica(s){', A = %d' % args.accumulation if extra else ''}")
+            for pair_name, (make_base, make_vr, _) in chosen.items():
+                candidates = [
+                    Candidate("base", lambda: make_base(**extra), make_model, strategy, (x, batch[1])),
+                    Candidate("vr", lambda: make_vr(**extra), make_model, strategy, (x, batch[1])),
+                ]
+                if pair_name != "LARC":
+                    candidates.append(Candidate(
+                        "vr no-xla", lambda: make_vr(jit_update=False, **extra),
+                        make_model, strategy, (x, batch[1])))
+                for kind in args.kinds:
+                    times = compare(candidates, kind, args.steps, args.repeats)
+                    line = (f"{pair_name:<9} {kind:<10} base {times['base'] * 1e3:8.2f} ms"
+                            f"  twin {times['vr'] * 1e3:8.2f} ms"
+                            f"  twin/base {times['vr'] / times['base']:5.2f}")
+                    if "vr no-xla" in times:
+                        line += f"  xla/no-xla {times['vr'] / times['vr no-xla']:5.2f}"
+                    if kind == "update":
+                        base_bytes = UPDATE_BYTES_PER_PARAMETER[pairs()[pair_name][2]]
+                        vr_bytes = _vr_bytes(pair_name, candidates[1].optimizer)
+                        achieved = {
+                            "base": copies * base_bytes * params / times["base"],
+                            "vr": copies * vr_bytes * params / times["vr"],
+                        }
+                        line += (f"  traffic/bandwidth base {achieved['base'] / bandwidth:5.1%}"
+                                 f" twin {achieved['vr'] / bandwidth:5.1%}")
+                    print(line, flush=True)

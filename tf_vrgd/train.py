@@ -1,0 +1,470 @@
+"""`vrgd-train`: trains a Model Garden-format experiment on Fashion-MNIST,
+optionally beside its VR twin (`--compare`), from the same initial weights
+and data order, and resumes after interruption.
+
+    vrgd-train --config configs/fashion_mnist/lamb_b8192.yaml --compare --output runs/lamb
+
+Per run (a subfolder of --output named after the optimizer type): per-epoch
+metrics (`metrics.jsonl`, `metrics.csv`: train and test loss and accuracy,
+generalization gap, GSNR statistics), `checkpoint-epoch<N>.keras`
+(model and optimizer, written under a temporary name and renamed at every
+epoch end) and `final.weights.h5`.
+At the top of --output: `summary.json`, `summary.txt` (the table printed at
+the end) and PNG plots.
+"""
+
+import argparse
+import copy
+import csv
+import json
+import math
+import os
+import sys
+import time
+
+EVAL_TRAIN_EXAMPLES = 10000  # train-set examples evaluated each epoch (fixed subset)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="vrgd-train", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )
+    parser.add_argument("--config", required=True, help="experiment YAML (Model Garden layout)")
+    parser.add_argument("--output", required=True, help="output folder; rerun to resume")
+    parser.add_argument("--compare", action="store_true",
+                        help="also train the optimizer's VR twin (or its base, for a VR config)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="MirroredStrategy replicas: GPUs, or logical CPU devices without "
+                             "GPUs (default: runtime.num_gpus of the config)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="global batch override; the learning rate is scaled by "
+                             "sqrt(new / old) and the schedule's steps follow the new total")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs override; the schedule's steps follow the new total")
+    parser.add_argument("--seed", type=int, default=None, help="seed override (weights and data order)")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with the Fashion-MNIST IDX .gz files "
+                             "(default /usr/share/datasets/fashion-mnist)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="tensorflow-datasets folder for the prepared dataset")
+    parser.add_argument("--train-examples", type=int, default=None,
+                        help="train on the first N training examples only (quick runs)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic TensorFlow ops (bit-reproducible resumes)")
+    parser.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
+                        help="Keras progress output")
+    return parser.parse_args(argv)
+
+
+def setup_devices(replicas):
+    """Splits the CPU into `replicas` logical devices when there is no GPU;
+    returns the MirroredStrategy device list. Must run before TF starts."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if replicas > len(gpus):
+            raise ValueError(f"--replicas {replicas} but only {len(gpus)} GPU(s) here.")
+        return [f"/gpu:{i}" for i in range(replicas)]
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas
+    )
+    return [f"/cpu:{i}" for i in range(replicas)]
+
+
+# --- experiment config -------------------------------------------------------
+
+
+def _get(cfg, path, default=None):
+    for key in path.split("."):
+        if not isinstance(cfg, dict) or key not in cfg:
+            return default
+        cfg = cfg[key]
+    return cfg
+
+
+def steps_per_epoch(batch_size, examples=60000):
+    return examples // batch_size
+
+
+def rescale_schedule(block, step_factor, lr_factor):
+    """The optimization block with every step count (decay_steps,
+    warmup_steps, boundaries, offset) multiplied by `step_factor` and every
+    learning rate by `lr_factor`."""
+    block = copy.deepcopy(block)
+    step_keys = ("decay_steps", "warmup_steps", "offset")
+    rate_keys = ("learning_rate", "initial_learning_rate", "end_learning_rate",
+                 "warmup_learning_rate")
+    for section in ("learning_rate", "warmup"):
+        kind = _get(block, f"{section}.type")
+        fields = _get(block, f"{section}.{kind}") if kind else None
+        if not fields:
+            continue
+        for key in step_keys:
+            if fields.get(key):
+                fields[key] = max(1, int(round(fields[key] * step_factor)))
+        if fields.get("boundaries"):
+            fields["boundaries"] = [max(1, int(round(b * step_factor))) for b in fields["boundaries"]]
+        for key in rate_keys:
+            if fields.get(key) is not None:
+                fields[key] = fields[key] * lr_factor
+        if fields.get("values"):
+            fields["values"] = [v * lr_factor for v in fields["values"]]
+    return block
+
+
+class Experiment:
+    """The parts of an experiment config that `vrgd-train` uses, with the
+    command-line overrides applied."""
+
+    def __init__(self, cfg, args):
+        from tf_vrgd import config
+
+        self.cfg = cfg
+        model = _get(cfg, "task.model", {}) or {}
+        if model.get("type", "fashion_mnist_cnn") != "fashion_mnist_cnn":
+            raise ValueError(
+                f"vrgd-train builds `fashion_mnist_cnn` models only; this config's "
+                f"task.model.type is {model.get('type')!r} (a GPU-cluster experiment: "
+                "use its optimization block with tf_vrgd.config.optimizer_from_config)."
+            )
+        self.model_width = int(model.get("width", 32))
+        self.label_smoothing = float(_get(cfg, "task.losses.label_smoothing", 0.0) or 0.0)
+        config_batch = int(_get(cfg, "task.train_data.global_batch_size", 256))
+        config_steps = int(_get(cfg, "trainer.train_steps", 10 * steps_per_epoch(config_batch)))
+        config_epochs = max(1, round(config_steps / steps_per_epoch(config_batch)))
+        self.batch_size = args.batch_size or config_batch
+        self.epochs = args.epochs or config_epochs
+        self.seed = args.seed if args.seed is not None else int(_get(cfg, "runtime.seed", 0) or 0)
+        self.replicas = args.replicas or int(_get(cfg, "runtime.num_gpus", 1) or 1)
+        if self.batch_size % self.replicas:
+            raise ValueError(f"The global batch {self.batch_size} does not split over "
+                             f"{self.replicas} replicas.")
+        self.train_examples = args.train_examples or 60000
+        if not 0 < self.train_examples <= 60000:
+            raise ValueError(f"--train-examples must be in [1, 60000]. Received: {self.train_examples}")
+        self.steps_per_epoch = steps_per_epoch(self.batch_size, self.train_examples)
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"Batch {self.batch_size} exceeds the {self.train_examples} "
+                             "training examples.")
+        block = config.optimization_block(cfg)
+        total = self.epochs * self.steps_per_epoch
+        step_factor = total / config_steps
+        lr_factor = math.sqrt(self.batch_size / config_batch)
+        self.rescaled = abs(step_factor - 1) > 1e-9 or abs(lr_factor - 1) > 1e-9
+        self.block = rescale_schedule(block, step_factor, lr_factor) if self.rescaled else block
+        self.note = (
+            f"schedule rescaled from {config_steps} to {total} steps, learning rates x "
+            f"{lr_factor:.4g} (square-root scaling from batch {config_batch})"
+            if self.rescaled else ""
+        )
+
+    def runs(self, compare):
+        """[(run name, optimization block)]: the config's, then its twin."""
+        from tf_vrgd import config
+
+        runs = [(self.block["optimizer"]["type"], self.block)]
+        if compare:
+            twin = config.twin_block(self.block)
+            runs.append((twin["optimizer"]["type"], twin))
+        return runs
+
+
+# --- one run -------------------------------------------------------------------
+
+
+def read_records(path, before_epoch):
+    """The metrics records of epochs < `before_epoch` (a resumed run drops
+    any record written after its last checkpoint)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r["epoch"] < before_epoch]
+
+
+def _replace(path, write):
+    """Writes through `write(file)` to a temporary file, then renames it."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def write_records(run_dir, records):
+    """metrics.jsonl and metrics.csv, each replaced whole."""
+    _replace(os.path.join(run_dir, "metrics.jsonl"),
+             lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
+    keys = []
+    for r in records:
+        keys += [k for k in r if k not in keys]
+
+    def table(f):
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(records)
+
+    _replace(os.path.join(run_dir, "metrics.csv"), table)
+
+
+def _checkpoints(run_dir):
+    """{completed epochs: path} of the run's checkpoints."""
+    found = {}
+    for name in os.listdir(run_dir):
+        if name.startswith("checkpoint-epoch") and name.endswith(".keras"):
+            found[int(name[len("checkpoint-epoch"):-len(".keras")])] = os.path.join(run_dir, name)
+    return found
+
+
+def save_checkpoint(model, run_dir, epochs_done):
+    """Model and optimizer after `epochs_done` epochs, written under a
+    temporary name and renamed (a kill leaves the previous one intact); older
+    checkpoints are removed afterwards."""
+    path = os.path.join(run_dir, f"checkpoint-epoch{epochs_done}.keras")
+    tmp = os.path.join(run_dir, f"tmp{os.getpid()}.keras")
+    model.save(tmp)
+    os.replace(tmp, path)
+    for epochs, old in _checkpoints(run_dir).items():
+        if epochs < epochs_done:
+            os.remove(old)
+
+
+def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
+    import keras
+
+    class EpochEnd(keras.callbacks.Callback):
+        """Evaluates, records the epoch's metrics, then checkpoints."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.time()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds = time.time() - self.start
+            logs = dict(logs or {})
+            train = evaluate("train")
+            test = evaluate("test")
+            record = {
+                "epoch": epoch,
+                "train_loss": train[0], "train_accuracy": train[1],
+                "test_loss": test[0], "test_accuracy": test[1],
+                "generalization_gap": train[1] - test[1],
+                "loss_gap": test[0] - train[0],
+                "running_train_loss": float(logs.get("loss", float("nan"))),
+                "learning_rate": float(model.optimizer.learning_rate.numpy()),
+                "seconds": seconds,
+            }
+            record.update({k: float(v) for k, v in logs.items() if k.startswith("gsnr")})
+            if vr_optimizer is not None:
+                # The epoch's averages (GSNRMonitor resets them at epoch start).
+                for path, stats in vr_optimizer.gsnr_statistics().items():
+                    record[f"gsnr_mean/{path}"] = stats["mean_gsnr"]
+                    record[f"gsnr_at_gamma/{path}"] = stats["fraction_at_gamma"]
+                    record[f"gsnr_at_one/{path}"] = stats["fraction_at_one"]
+            records.append(record)
+            write_records(run_dir, records)
+            # The checkpoint comes last: a run killed before it redoes this epoch.
+            save_checkpoint(model, run_dir, epoch + 1)
+
+    return EpochEnd()
+
+
+def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
+    """Trains (or resumes) one run; returns its metrics records."""
+    import keras
+    import numpy as np
+
+    import tf_vrgd
+    from tf_vrgd import config, data, models
+    from tf_vrgd._gsnr import find_vr_optimizer
+
+    os.makedirs(run_dir, exist_ok=True)
+    (x_train, y_train), (x_test, y_test) = arrays
+    x_train, y_train = x_train[:experiment.train_examples], y_train[:experiment.train_examples]
+    checkpoints = _checkpoints(run_dir)
+    initial_epoch = max(checkpoints, default=0)
+    with strategy.scope():
+        if initial_epoch:
+            model = keras.models.load_model(checkpoints[initial_epoch])
+        else:
+            keras.utils.set_random_seed(experiment.seed)
+            model = models.fashion_mnist_cnn(width=experiment.model_width)
+            # Label smoothing needs one-hot labels.
+            loss = (keras.losses.CategoricalCrossentropy(
+                        from_logits=True, label_smoothing=experiment.label_smoothing)
+                    if experiment.label_smoothing
+                    else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(optimizer=config.optimizer_from_config(block), loss=loss,
+                          metrics=["accuracy"])
+    records = read_records(os.path.join(run_dir, "metrics.jsonl"), initial_epoch)
+    if initial_epoch >= experiment.epochs:
+        return records
+    if initial_epoch:
+        print(f"[{name}] resuming after epoch {initial_epoch} from "
+              f"{checkpoints[initial_epoch]}", flush=True)
+
+    one_hot = bool(experiment.label_smoothing)
+
+    def labels(y):
+        return np.eye(data.NUM_CLASSES, dtype=np.float32)[y] if one_hot else y
+
+    train_ds = data.dataset(x_train, labels(y_train), experiment.batch_size, seed=experiment.seed,
+                            epochs=experiment.epochs, initial_epoch=initial_epoch)
+    eval_sets = {
+        "train": data.dataset(x_train[:EVAL_TRAIN_EXAMPLES], labels(y_train[:EVAL_TRAIN_EXAMPLES]),
+                              experiment.batch_size, drop_remainder=False),
+        "test": data.dataset(x_test, labels(y_test), experiment.batch_size, drop_remainder=False),
+    }
+
+    def evaluate(split):
+        loss, accuracy = model.evaluate(eval_sets[split], verbose=0)
+        return float(loss), float(accuracy)
+
+    callbacks = []
+    vr_optimizer = find_vr_optimizer(model.optimizer)
+    if vr_optimizer is not None:
+        # Model-wide figures in the progress bar; per layer in the records.
+        callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False))
+    callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
+    model.fit(train_ds, epochs=experiment.epochs, initial_epoch=initial_epoch,
+              steps_per_epoch=experiment.steps_per_epoch, callbacks=callbacks, verbose=verbose)
+    model.save_weights(os.path.join(run_dir, "final.weights.h5"))
+    return records
+
+
+# --- report -------------------------------------------------------------------
+
+
+def summarize(runs, experiment):
+    """One row per run: final and best figures."""
+    rows = []
+    for name, records in runs.items():
+        if not records:
+            continue
+        last = records[-1]
+        rows.append({
+            "run": name,
+            "batch": experiment.batch_size,
+            "replicas": experiment.replicas,
+            "epochs": len(records),
+            "train_acc": last["train_accuracy"],
+            "test_acc": last["test_accuracy"],
+            "best_test_acc": max(r["test_accuracy"] for r in records),
+            "gap": last["generalization_gap"],
+            "train_loss": last["train_loss"],
+            "test_loss": last["test_loss"],
+            "s_per_epoch": sum(r["seconds"] for r in records) / len(records),
+        })
+    return rows
+
+
+def format_table(rows):
+    columns = [("run", "{}"), ("batch", "{}"), ("replicas", "{}"), ("epochs", "{}"),
+               ("train_acc", "{:.4f}"), ("test_acc", "{:.4f}"), ("best_test_acc", "{:.4f}"),
+               ("gap", "{:+.4f}"), ("train_loss", "{:.4f}"), ("test_loss", "{:.4f}"),
+               ("s_per_epoch", "{:.1f}")]
+    cells = [[name for name, _ in columns]] + [
+        [fmt.format(row[name]) for name, fmt in columns] for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(runs, output):
+    """accuracy.png, loss.png (all runs) and gsnr_<run>.png (per layer)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for metric in ("accuracy", "loss"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, records in runs.items():
+            epochs = [r["epoch"] + 1 for r in records]
+            for split, style in (("train", "--"), ("test", "-")):
+                ax.plot(epochs, [r[f"{split}_{metric}"] for r in records], style,
+                        label=f"{name} {split}")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(metric)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        path = os.path.join(output, f"{metric}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    for name, records in runs.items():
+        keys = sorted({k for r in records for k in r if k.startswith("gsnr_mean/")})
+        if not keys:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for key in keys:
+            layer = key.split("/", 1)[1]
+            epochs = [r["epoch"] + 1 for r in records]
+            axes[0].plot(epochs, [r.get(key) for r in records], label=layer)
+            axes[1].plot(epochs, [r.get("gsnr_at_gamma/" + layer) for r in records], label=layer)
+        axes[0].set_yscale("log")
+        axes[0].set_ylabel("mean raw GSNR")
+        axes[1].set_ylabel("fraction clipped to gamma")
+        for ax in axes:
+            ax.set_xlabel("epoch")
+            ax.grid(alpha=0.3)
+        axes[1].legend(fontsize=7)
+        fig.suptitle(f"GSNR per layer: {name}")
+        fig.tight_layout()
+        path = os.path.join(output, f"gsnr_{name}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from tf_vrgd import config
+
+    cfg = config.load(args.config)
+    experiment = Experiment(cfg, args)
+    devices = setup_devices(experiment.replicas)
+
+    import tensorflow as tf
+
+    from tf_vrgd import data
+
+    if args.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    os.makedirs(args.output, exist_ok=True)
+    print(f"experiment: {args.config}: {experiment.train_examples} training examples, "
+          f"batch {experiment.batch_size}, {experiment.epochs} epochs "
+          f"x {experiment.steps_per_epoch} steps, {experiment.replicas} replica(s) {devices}, "
+          f"seed {experiment.seed}", flush=True)
+    if experiment.note:
+        print(f"experiment: {experiment.note}", flush=True)
+    arrays = data.load(args.data_dir, args.cache_dir)
+    strategy = tf.distribute.MirroredStrategy(devices)
+    runs = {}
+    for name, block in experiment.runs(args.compare):
+        print(f"\n=== {name} ===", flush=True)
+        with open(os.path.join(args.output, f"{name}.optimization.json"), "w") as f:
+            json.dump(block, f, indent=2)
+        runs[name] = train_run(name, block, experiment, strategy, arrays,
+                               os.path.join(args.output, name), args.verbose)
+    rows = summarize(runs, experiment)
+    table = format_table(rows)
+    with open(os.path.join(args.output, "summary.json"), "w") as f:
+        json.dump({"config": args.config, "note": experiment.note, "runs": rows}, f, indent=2)
+    with open(os.path.join(args.output, "summary.txt"), "w") as f:
+        f.write(table + "\n")
+    plots = plot(runs, args.output)
+    print(f"\nplots: {', '.join(plots)}")
+    print(f"\n{table}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
