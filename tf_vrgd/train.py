@@ -327,7 +327,8 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
         callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False))
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
     model.fit(train_ds, epochs=experiment.epochs, initial_epoch=initial_epoch,
-              steps_per_epoch=experiment.steps_per_epoch, callbacks=callbacks, verbose=verbose)
+              steps_per_epoch=experiment.steps_per_epoch, callbacks=callbacks, verbose=verbose,
+              shuffle=False)  # the dataset is shuffled per epoch already
     model.save_weights(os.path.join(run_dir, "final.weights.h5"))
     return records
 
