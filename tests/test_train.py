@@ -154,3 +154,24 @@ def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
             np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{run}: {key}")
         with open(interrupted / run / "metrics.jsonl") as f:
             assert [json.loads(line)["epoch"] for line in f] == list(range(epochs))
+
+
+def test_overrides_rescale_the_schedule_and_the_rate():
+    from tf_vrgd import config, train
+
+    path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
+    cfg = config.load(path)
+    args = train.parse_args(["--config", path, "--output", "unused", "--batch-size", "2048",
+                             "--epochs", "2"])
+    experiment = train.Experiment(cfg, args)
+    assert (experiment.batch_size, experiment.epochs, experiment.steps_per_epoch) == (2048, 2, 29)
+    lr = experiment.block["learning_rate"]["cosine"]
+    original = cfg["trainer"]["optimizer_config"]["learning_rate"]["cosine"]
+    assert lr["initial_learning_rate"] == pytest.approx(original["initial_learning_rate"] * 0.5)
+    assert lr["decay_steps"] == 58  # 2 epochs x 29 steps
+    assert experiment.block["warmup"]["linear"]["warmup_steps"] == round(7 * 58 / 70)
+    assert "rescaled from 70 to 58 steps" in experiment.note
+    with pytest.raises(SystemExit):
+        train.parse_args(["--config", path, "--output", "x", "--epochs", "0"])
+    with pytest.raises(ValueError, match="does not split over 3 replicas"):
+        train.Experiment(cfg, train.parse_args(["--config", path, "--output", "x", "--replicas", "3"]))

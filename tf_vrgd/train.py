@@ -25,6 +25,13 @@ import time
 EVAL_TRAIN_EXAMPLES = 10000  # train-set examples evaluated each epoch (fixed subset)
 
 
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="vrgd-train", description=__doc__.split("\n\n")[0].replace("\n", " ")
@@ -33,13 +40,13 @@ def parse_args(argv=None):
     parser.add_argument("--output", required=True, help="output folder; rerun to resume")
     parser.add_argument("--compare", action="store_true",
                         help="also train the optimizer's VR twin (or its base, for a VR config)")
-    parser.add_argument("--replicas", type=int, default=None,
+    parser.add_argument("--replicas", type=_positive_int, default=None,
                         help="MirroredStrategy replicas: GPUs, or logical CPU devices without "
                              "GPUs (default: runtime.num_gpus of the config)")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--batch-size", type=_positive_int, default=None,
                         help="global batch override; the learning rate is scaled by "
                              "sqrt(new / old) and the schedule's steps follow the new total")
-    parser.add_argument("--epochs", type=int, default=None,
+    parser.add_argument("--epochs", type=_positive_int, default=None,
                         help="epochs override; the schedule's steps follow the new total")
     parser.add_argument("--seed", type=int, default=None, help="seed override (weights and data order)")
     parser.add_argument("--data-dir", default=None,
@@ -47,7 +54,7 @@ def parse_args(argv=None):
                              "(default /usr/share/datasets/fashion-mnist)")
     parser.add_argument("--cache-dir", default=None,
                         help="tensorflow-datasets folder for the prepared dataset")
-    parser.add_argument("--train-examples", type=int, default=None,
+    parser.add_argument("--train-examples", type=_positive_int, default=None,
                         help="train on the first N training examples only (quick runs)")
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic TensorFlow ops (bit-reproducible resumes)")
@@ -131,9 +138,14 @@ class Experiment:
             )
         self.model_width = int(model.get("width", 32))
         self.label_smoothing = float(_get(cfg, "task.losses.label_smoothing", 0.0) or 0.0)
+        block = config.optimization_block(cfg)
+        # Schedules count updates; with accumulation an update takes A batches.
+        kind = _get(block, "optimizer.type")
+        accumulation = int(_get(block, f"optimizer.{kind}.gradient_accumulation_steps", 1) or 1)
         config_batch = int(_get(cfg, "task.train_data.global_batch_size", 256))
-        config_steps = int(_get(cfg, "trainer.train_steps", 10 * steps_per_epoch(config_batch)))
-        config_epochs = max(1, round(config_steps / steps_per_epoch(config_batch)))
+        config_steps = int(_get(cfg, "trainer.train_steps",
+                                10 * steps_per_epoch(config_batch) // accumulation))
+        config_epochs = max(1, round(config_steps * accumulation / steps_per_epoch(config_batch)))
         self.batch_size = args.batch_size or config_batch
         self.epochs = args.epochs or config_epochs
         self.seed = args.seed if args.seed is not None else int(_get(cfg, "runtime.seed", 0) or 0)
@@ -142,14 +154,13 @@ class Experiment:
             raise ValueError(f"The global batch {self.batch_size} does not split over "
                              f"{self.replicas} replicas.")
         self.train_examples = args.train_examples or 60000
-        if not 0 < self.train_examples <= 60000:
-            raise ValueError(f"--train-examples must be in [1, 60000]. Received: {self.train_examples}")
+        if self.train_examples > 60000:
+            raise ValueError(f"--train-examples must be at most 60000. Received: {self.train_examples}")
         self.steps_per_epoch = steps_per_epoch(self.batch_size, self.train_examples)
         if self.steps_per_epoch < 1:
             raise ValueError(f"Batch {self.batch_size} exceeds the {self.train_examples} "
                              "training examples.")
-        block = config.optimization_block(cfg)
-        total = self.epochs * self.steps_per_epoch
+        total = self.epochs * self.steps_per_epoch // accumulation
         step_factor = total / config_steps
         lr_factor = math.sqrt(self.batch_size / config_batch)
         self.rescaled = abs(step_factor - 1) > 1e-9 or abs(lr_factor - 1) > 1e-9

@@ -1,0 +1,193 @@
+"""The Fashion-MNIST large-batch study (the analog of the paper's Table 11).
+
+    python scripts/sweep.py --output runs/sweep               # the whole grid
+    python scripts/sweep.py --batches 2048 8192 --lr-multipliers 1 --output runs/sweep
+
+Grid: batch sizes x {Momentum, Adam, LAMB, LARS} x {base, VR twin} x a
+learning-rate grid (multipliers of each config's square-root-scaled rate),
+all for the same number of epochs; at the largest batches the best rate of
+each optimizer is rerun with more seeds. Every run is one config of
+configs/fashion_mnist/ trained by `vrgd-train`'s code in this process, on 4
+replicas. Results go to `results.jsonl` one line per run, as each finishes:
+an interrupted sweep resumes where it stopped (finished runs are skipped,
+an unfinished one resumes from its last epoch checkpoint). At the end (and
+with --report) it prints the table: best test accuracy per optimizer and
+batch (over the rate grid, as the paper reports), and the generalization
+gap of that run.
+
+Sizing: at the defaults (5 batch sizes, 3 rates, 4 epochs) the grid is 120
+runs plus 16 extra-seed runs; on 2 CPU cores that is about 3 hours.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPTIMIZERS = ["momentum", "adam", "lamb", "lars"]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="runs/sweep")
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
+    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, choices=OPTIMIZERS)
+    parser.add_argument("--lr-multipliers", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seeds", type=int, default=1, help="seeds of every grid point")
+    parser.add_argument("--extra-seeds", type=int, default=1,
+                        help="more seeds for the best rate at the two largest batches")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--report", action="store_true", help="print the table of results.jsonl and exit")
+    return parser.parse_args(argv)
+
+
+def _key(run):
+    return f"{run['optimizer']}_b{run['batch']}_lr{run['lr_multiplier']:g}_s{run['seed']}"
+
+
+def load_results(path):
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {_key(r): r for r in rows}
+
+
+def run_one(run, args, strategy, arrays):
+    """Trains one grid point; returns its result row."""
+    import keras
+
+    from tf_vrgd import config, train
+
+    keras.backend.clear_session()  # fresh layer names and graph state per run
+    name = run["optimizer"]
+    path = os.path.join(ROOT, "configs", "fashion_mnist", f"{name}_b{run['batch']}.yaml")
+    cli = train.parse_args(["--config", path, "--output", args.output, "--epochs", str(args.epochs),
+                            "--seed", str(run["seed"]), "--replicas", str(args.replicas)])
+    experiment = train.Experiment(config.load(path), cli)
+    block = train.rescale_schedule(experiment.block, 1.0, run["lr_multiplier"])
+    run_dir = os.path.join(args.output, "runs", _key(run))
+    records = train.train_run(name, block, experiment, strategy, arrays, run_dir, verbose=0)
+    best = max(records, key=lambda r: r["test_accuracy"])
+    return {
+        **run,
+        "epochs": len(records),
+        "best_test_accuracy": best["test_accuracy"],
+        "final_test_accuracy": records[-1]["test_accuracy"],
+        "final_train_accuracy": records[-1]["train_accuracy"],
+        "generalization_gap": records[-1]["generalization_gap"],
+        "final_test_loss": records[-1]["test_loss"],
+        "seconds": sum(r["seconds"] for r in records),
+    }
+
+
+def grid(args):
+    runs = []
+    for batch in args.batches:
+        for base in args.optimizers:
+            for name in (base, f"vr_{base}"):
+                for multiplier in args.lr_multipliers:
+                    for seed in range(args.seeds):
+                        runs.append({"optimizer": name, "batch": batch,
+                                     "lr_multiplier": multiplier, "seed": seed})
+    return runs
+
+
+def best_rows(results):
+    """Best run per (optimizer, batch) over the rate grid (seed 0), with the
+    mean and spread over the seeds run at that rate."""
+    best = {}
+    for row in results.values():
+        if row["seed"] != 0:
+            continue
+        key = (row["optimizer"], row["batch"])
+        if key not in best or row["best_test_accuracy"] > best[key]["best_test_accuracy"]:
+            best[key] = row
+    table = {}
+    for key, row in best.items():
+        seeds = [r for r in results.values() if (r["optimizer"], r["batch"]) == key
+                 and r["lr_multiplier"] == row["lr_multiplier"]]
+        accs = [r["best_test_accuracy"] for r in seeds]
+        table[key] = {**row, "seeds": len(seeds), "mean_best_test_accuracy": sum(accs) / len(accs),
+                      "min_best": min(accs), "max_best": max(accs)}
+    return table
+
+
+def report(results):
+    table = best_rows(results)
+    batches = sorted({b for _, b in table})
+    lines = ["best test accuracy % (rate multiplier; generalization gap in points; seeds)", ""]
+    header = f"{'optimizer':<12}" + "".join(f"{b:>24}" for b in batches)
+    lines += [header, "-" * len(header)]
+    for base in OPTIMIZERS:
+        for name in (base, f"vr_{base}"):
+            if not any(k[0] == name for k in table):
+                continue
+            cells = []
+            for b in batches:
+                row = table.get((name, b))
+                if row is None:
+                    cells.append(f"{'-':>24}")
+                    continue
+                spread = (f"±{(row['max_best'] - row['min_best']) * 50:.1f}"
+                          if row["seeds"] > 1 else "")
+                cells.append(f"{row['mean_best_test_accuracy'] * 100:6.2f}{spread:<5} "
+                             f"(x{row['lr_multiplier']:g};{row['generalization_gap'] * 100:+.1f};"
+                             f"{row['seeds']})".rjust(24))
+            lines.append(f"{name:<12}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.output, exist_ok=True)
+    results_path = os.path.join(args.output, "results.jsonl")
+    results = load_results(results_path)
+    if args.report:
+        print(report(results))
+        return 0
+
+    from tf_vrgd import train
+
+    devices = train.setup_devices(args.replicas)
+    import tensorflow as tf
+
+    from tf_vrgd import data
+
+    arrays = data.load(args.data_dir, args.cache_dir)
+    strategy = tf.distribute.MirroredStrategy(devices)
+
+    def run_all(runs):
+        for run in runs:
+            if _key(run) in results:
+                continue
+            row = run_one(run, args, strategy, arrays)
+            results[_key(run)] = row
+            with open(results_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{_key(run):<32} best test acc {row['best_test_accuracy']:.4f} "
+                  f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)", flush=True)
+
+    run_all(grid(args))
+    # More seeds at the two largest batches, for each optimizer's best rate.
+    largest = sorted(args.batches)[-2:]
+    extra = []
+    for (name, batch), row in best_rows(results).items():
+        if batch in largest:
+            for seed in range(args.seeds, args.seeds + args.extra_seeds):
+                extra.append({"optimizer": name, "batch": batch,
+                              "lr_multiplier": row["lr_multiplier"], "seed": seed})
+    run_all(extra)
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
