@@ -75,6 +75,9 @@ def prepare(data_dir=None, cache_dir=None):
     cls = _builder_class()
     builder = cls(data_dir=cache_dir)
     if not builder.is_prepared():
+        print(f"Preparing Fashion-MNIST from {data_dir} into {cache_dir} "
+              "(tensorflow-datasets, once)...", flush=True)
+        tfds.disable_progress_bar()
         # tfds writes the recorded checksums to the builder's `_checksums_path`.
         cls._checksums_path = epath.Path(cls._checksums_file(cache_dir))
         builder.download_and_prepare(
