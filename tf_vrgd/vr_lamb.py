@@ -11,30 +11,17 @@ from tf_vrgd.lamb import LAMB
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
 class VRLAMB(GSNRMixin, LAMB):
-    """VR-LAMB (Algorithm 5): LAMB on the GSNR-scaled mean gradient.
+    """VR-LAMB (Algorithm 5): `tf_vrgd.LAMB` on the GSNR-scaled mean gradient.
 
     ghat as in `tf_vrgd.VRSGD` (GSNR momentum beta_3 by default, as in the
-    paper's BERT runs), then LAMB:
-
-        m <- b1 m + (1-b1) ghat;   v <- b2 v + (1-b2) ghat^2
-        u  = mhat / (sqrt(vhat) + epsilon) + weight_decay_rate * w
-             (decay omitted for variables excluded from weight decay)
-        ratio = ||w|| / ||u|| if both > 0 else 1 (1 if excluded from
-                layer adaptation)
-        w <- w - lr * ratio * u
-
-    With `weight_decay_rate = 0` and `gamma = 1` this is exactly
-    `keras.optimizers.Lamb`.
+    paper's BERT runs), then the LAMB rule of `tf_vrgd.LAMB` with ghat in
+    place of the gradient. With `weight_decay_rate = 0` and `gamma = 1` this
+    is exactly `keras.optimizers.Lamb`.
 
     Args:
-        learning_rate: Defaults to 0.001.
-        beta_1: Float in [0, 1). Defaults to 0.9.
-        beta_2: Float in [0, 1). Defaults to 0.999.
-        epsilon: Float >= 0. Defaults to 1e-6.
-        weight_decay_rate: Float >= 0, LAMB's decay. Defaults to 0.0.
-        exclude_from_weight_decay: Regex list. Defaults to None.
-        exclude_from_layer_adaptation: Regex list. Defaults to None (the
-            weight-decay list).
+        learning_rate, beta_1, beta_2, epsilon, weight_decay_rate,
+        exclude_from_weight_decay, exclude_from_layer_adaptation: as in
+            `tf_vrgd.LAMB` (defaults 0.001, 0.9, 0.999, 1e-6, 0.0, None, None).
         gamma: Float in (0, 1]. Defaults to 0.1.
         beta_3: Float in [0, 1). Defaults to 0.9.
         gsnr_epsilon: Float > 0. Defaults to 1e-6.
