@@ -201,12 +201,15 @@ def run(args, gpus):
             strategy = tf.distribute.get_strategy()
             extra = {"gradient_accumulation_steps": args.accumulation}
         copies = strategy.num_replicas_in_sync
+        # With accumulation a call is a micro-step; report per update.
+        calls_per_update = args.accumulation if extra else 1
         for model_name in args.models:
             make_model = model_fns[model_name]
             x = batch[0].reshape(args.batch, -1) if model_name == "mlp" else batch[0]
             params = parameter_count(make_model())
             print(f"\n== {model_name} ({params / 1e6:.2f} M parameters), {setup}: "
-                  f"{copies} replica(s){', A = %d' % args.accumulation if extra else ''}")
+                  f"{copies} replica(s)"
+                  f"{', A = %d micro-steps, times per update' % args.accumulation if extra else ''}")
             for pair_name, (make_base, make_vr, _) in chosen.items():
                 candidates = [
                     Candidate("base", lambda: make_base(**extra), make_model, strategy, (x, batch[1])),
@@ -217,13 +220,15 @@ def run(args, gpus):
                         "vr no-xla", lambda: make_vr(jit_update=False, **extra),
                         make_model, strategy, (x, batch[1])))
                 for kind in args.kinds:
-                    times = compare(candidates, kind, args.steps, args.repeats)
+                    times = compare(candidates, kind, args.steps * calls_per_update, args.repeats,
+                                    warmup=2 * calls_per_update + 1)
+                    times = {k: v * calls_per_update for k, v in times.items()}
                     line = (f"{pair_name:<9} {kind:<10} base {times['base'] * 1e3:8.2f} ms"
                             f"  twin {times['vr'] * 1e3:8.2f} ms"
                             f"  twin/base {times['vr'] / times['base']:5.2f}")
                     if "vr no-xla" in times:
                         line += f"  xla/no-xla {times['vr'] / times['vr no-xla']:5.2f}"
-                    if kind == "update":
+                    if kind == "update" and not extra:
                         base_bytes = UPDATE_BYTES_PER_PARAMETER[pairs()[pair_name][2]]
                         vr_bytes = _vr_bytes(pair_name, candidates[1].optimizer)
                         achieved = {
