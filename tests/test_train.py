@@ -99,15 +99,15 @@ def test_epoch_order_depends_only_on_seed_and_epoch():
     assert sorted(sum(full[:5], [])) == sorted(y.tolist())
 
 
-def _command(fashion, output, epochs):
+def _command(fashion, output, epochs, compare=False):
     idx, cache = fashion
     return [
         sys.executable, "-m", "tf_vrgd.train",
-        "--config", os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b256.yaml"),
-        "--compare", "--output", str(output), "--data-dir", idx, "--cache-dir", cache,
+        "--config", os.path.join(ROOT, "configs", "fashion_mnist", "vr_lamb_b256.yaml"),
+        "--output", str(output), "--data-dir", idx, "--cache-dir", cache,
         "--train-examples", "2048", "--batch-size", "512", "--epochs", str(epochs),
         "--replicas", "2", "--deterministic", "--verbose", "0",
-    ]
+    ] + (["--compare"] if compare else [])
 
 
 def _env():
@@ -128,32 +128,37 @@ def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
     done = subprocess.run(_command(fashion, straight, epochs), env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "lamb" in done.stdout and "vr_lamb" in done.stdout and "test_acc" in done.stdout
-    for name in ("accuracy.png", "loss.png", "gsnr_vr_lamb.png", "summary.json"):
-        assert (straight / name).exists(), name
 
+    # VR-LAMB (the config), killed once its first epoch is checkpointed.
     interrupted = tmp_path / "interrupted"
-    process = subprocess.Popen(_command(fashion, interrupted, epochs), env=_env(), cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = interrupted / "lamb" / "checkpoint-epoch1.keras"
+    process = subprocess.Popen(_command(fashion, interrupted, epochs, compare=True), env=_env(),
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = interrupted / "vr_lamb" / "checkpoint-epoch1.keras"
     deadline = time.time() + 300
     while not first.exists() and process.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert first.exists() and not (interrupted / "lamb" / "final.weights.h5").exists()
+    assert first.exists() and not (interrupted / "vr_lamb" / "final.weights.h5").exists()
 
-    resumed = subprocess.run(_command(fashion, interrupted, epochs), env=_env(), cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)
+    # The same command resumes it, then trains the twin (LAMB) and reports both.
+    resumed = subprocess.run(_command(fashion, interrupted, epochs, compare=True), env=_env(),
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after epoch" in resumed.stdout
-    for run in ("lamb", "vr_lamb"):
-        expected, got = _final_weights(straight / run), _final_weights(interrupted / run)
-        assert expected.keys() == got.keys() and expected
-        for key in expected:
-            np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{run}: {key}")
-        with open(interrupted / run / "metrics.jsonl") as f:
-            assert [json.loads(line)["epoch"] for line in f] == list(range(epochs))
+    expected, got = _final_weights(straight / "vr_lamb"), _final_weights(interrupted / "vr_lamb")
+    assert expected.keys() == got.keys() and expected
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    with open(interrupted / "vr_lamb" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["epoch"] for r in records] == list(range(epochs))
+    assert all(0 <= r["gsnr_at_gamma/conv1/kernel"] <= 1 for r in records)
+
+    table = resumed.stdout[resumed.stdout.index("test_acc"):]
+    assert "vr_lamb" in table and "\n   lamb" in table
+    for name in ("accuracy.png", "loss.png", "gsnr_vr_lamb.png", "summary.json", "summary.txt"):
+        assert (interrupted / name).exists(), name
 
 
 def test_overrides_rescale_the_schedule_and_the_rate():

@@ -213,7 +213,7 @@ def test_bad_hyper_parameters_raise(cls, kwargs, argument):
 
 def test_xla_update_equals_non_xla_under_mirrored_strategy(strategy):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=17)
-    for name in TWINS:
+    for name in ("VRAdam", "VRLARS"):  # one adaptive and one layer-wise rule
         _, xla, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](jit_update=True), stream)
         _, plain, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](jit_update=False), stream)
         for g, e in zip(xla, plain):

@@ -133,6 +133,40 @@ class Candidate:
         return (time.perf_counter() - start) / steps
 
 
+def collective_times(strategy, parameters, steps=5, repeats=7):
+    """Median seconds of one cross-replica SUM of `parameters` float32
+    values, and of that sum together with the sum of squares (what a VR
+    update reduces), interleaved."""
+    replicas = strategy.num_replicas_in_sync
+    value = tf.constant(np.ones((replicas, parameters), np.float32))
+
+    def make(with_squares):
+        @tf.function
+        def reduce():
+            def replica_fn():
+                ctx = tf.distribute.get_replica_context()
+                g = tf.gather(value, ctx.replica_id_in_sync_group)
+                values = [g, g * g] if with_squares else [g]
+                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)[0]
+
+            return strategy.run(replica_fn)
+
+        return reduce
+
+    functions = {"sum": make(False), "sum and squares": make(True)}
+    samples = {name: [] for name in functions}
+    for name, fn in functions.items():
+        fn()
+    for _ in range(repeats):
+        for name, fn in functions.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                result = fn()
+            strategy.experimental_local_results(result)[0].numpy()
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def compare(candidates, kind, steps=10, repeats=7, warmup=3):
     """Median seconds per call of each candidate, interleaved.
 
@@ -210,6 +244,11 @@ def run(args, gpus):
             print(f"\n== {model_name} ({params / 1e6:.2f} M parameters), {setup}: "
                   f"{copies} replica(s)"
                   f"{', A = %d micro-steps, times per update' % args.accumulation if extra else ''}")
+            if not extra:
+                reduce = collective_times(strategy, params)
+                print(f"all-reduce alone: sum {reduce['sum'] * 1e3:.2f} ms, sum and squares "
+                      f"{reduce['sum and squares'] * 1e3:.2f} ms "
+                      f"(x{reduce['sum and squares'] / reduce['sum']:.2f})")
             for pair_name, (make_base, make_vr, _) in chosen.items():
                 candidates = [
                     Candidate("base", lambda: make_base(**extra), make_model, strategy, (x, batch[1])),

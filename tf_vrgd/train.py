@@ -269,6 +269,9 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
             if vr_optimizer is not None:
                 # The epoch's averages (GSNRMonitor resets them at epoch start).
                 for path, stats in vr_optimizer.gsnr_statistics().items():
+                    # A loaded model's paths lack the model-name prefix of a
+                    # fresh one; keys must not change when a run resumes.
+                    path = path.removeprefix(f"{model.name}/")
                     record[f"gsnr_mean/{path}"] = stats["mean_gsnr"]
                     record[f"gsnr_at_gamma/{path}"] = stats["fraction_at_gamma"]
                     record[f"gsnr_at_one/{path}"] = stats["fraction_at_one"]
