@@ -444,8 +444,3 @@ def twin_block(block):
         fields = {k: v for k, v in fields.items() if k in OPTIMIZER_TYPES[twin].fields}
     block["optimizer"] = {"type": twin, twin: fields}
     return block
-
-
-def optimizer_type(cfg):
-    return optimization_block(cfg)["optimizer"]["type"]
-
