@@ -50,7 +50,8 @@ def test_statistics_match_numpy_on_four_replicas(strategy, accumulation):
     stream = helpers.gradient_stream(shapes, 3 * steps, replicas=4, scales=[1.0, 0.1, 3.0, 0.01])
     _, _, optimizer = helpers.run_mirrored(
         strategy,
-        lambda: tf_vrgd.VRSGD(0.01, momentum=0.9, gamma=gamma, gradient_accumulation_steps=accumulation),
+        lambda: tf_vrgd.VRSGD(0.01, momentum=0.9, gamma=gamma, gradient_accumulation_steps=accumulation,
+                              track_gsnr_statistics=True),
         stream,
     )
     samples = helpers.samples_per_update(stream, steps)
@@ -67,7 +68,7 @@ def test_statistics_match_numpy_on_four_replicas(strategy, accumulation):
 
 def test_statistics_are_not_optimizer_state(tmp_path):
     model = helpers.make_model()
-    optimizer = tf_vrgd.VRAdam(gradient_accumulation_steps=2)
+    optimizer = tf_vrgd.VRAdam(gradient_accumulation_steps=2, track_gsnr_statistics=True)
     optimizer.build(model.trainable_variables)
     assert not any("gsnr_statistics" in v.path for v in optimizer.variables)
     path = tf.train.Checkpoint(optimizer=optimizer).write(str(tmp_path / "ckpt"))
@@ -96,7 +97,8 @@ def test_monitor_logs_into_history_batches_and_tensorboard(strategy, tmp_path):
     x, y = _fit_data()
     with strategy.scope():
         model = helpers.make_model()
-        model.compile(optimizer=tf_vrgd.VRAdam(0.01, gamma=0.2), loss="mse")
+        model.compile(optimizer=tf_vrgd.VRAdam(0.01, gamma=0.2, track_gsnr_statistics=True),
+                      loss="mse")
     batch_logs = _BatchLogs()
     history = model.fit(
         x, y, batch_size=64, epochs=2, verbose=0,
@@ -136,7 +138,8 @@ def test_monitor_logs_into_history_batches_and_tensorboard(strategy, tmp_path):
 def test_monitor_finds_a_wrapped_vr_optimizer_and_refuses_others():
     x, y = _fit_data(64)
     model = helpers.make_model()
-    model.compile(optimizer=tf_vrgd.LARC(tf_vrgd.VRSGD(0.01, gradient_accumulation_steps=2)), loss="mse")
+    model.compile(optimizer=tf_vrgd.LARC(tf_vrgd.VRSGD(
+        0.01, gradient_accumulation_steps=2, track_gsnr_statistics=True)), loss="mse")
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
                         callbacks=[tf_vrgd.GSNRMonitor(per_variable=False)])
     assert set(history.history) == {"loss", "gsnr_mean", "gsnr_at_gamma", "gsnr_at_one"}
@@ -146,6 +149,24 @@ def test_monitor_finds_a_wrapped_vr_optimizer_and_refuses_others():
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     with pytest.raises(ValueError, match="GSNRMonitor needs a VR optimizer"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[tf_vrgd.GSNRMonitor()])
+
+
+def test_statistics_are_off_by_default_and_say_how_to_turn_them_on():
+    x, y = _fit_data(64)
+    model = helpers.make_model()
+    optimizer = tf_vrgd.VRSGD(0.01, gradient_accumulation_steps=2)
+    assert tf_vrgd.VRSGD.from_config(optimizer.get_config()).track_gsnr_statistics is False
+    model.compile(optimizer=optimizer, loss="mse")
+    with pytest.raises(ValueError, match="track_gsnr_statistics=True"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[tf_vrgd.GSNRMonitor()])
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    for method in ("gsnr_statistics", "gsnr_statistic_sums", "reset_gsnr_statistics"):
+        with pytest.raises(ValueError, match=f"{method}\\(\\) needs .*track_gsnr_statistics=True"):
+            getattr(optimizer, method)()
+    on = tf_vrgd.VRSGD(0.01, track_gsnr_statistics=True)
+    assert tf_vrgd.VRSGD.from_config(on.get_config()).track_gsnr_statistics is True
+    with pytest.raises(ValueError, match="track_gsnr_statistics"):
+        tf_vrgd.VRSGD(0.01, track_gsnr_statistics="yes")
 
 
 @pytest.mark.parametrize("update_freq", [0, -1, 1.5, True, "batch"])

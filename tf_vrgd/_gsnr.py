@@ -39,7 +39,8 @@ class GSNRMixin:
     `_init_gsnr` from `__init__` and list this mixin before the base
     optimizer class."""
 
-    def _init_gsnr(self, gamma, beta_3, gsnr_epsilon, jit_update):
+    def _init_gsnr(self, gamma, beta_3, gsnr_epsilon, jit_update,
+                   track_gsnr_statistics=False):
         self.gamma = _validation.check_number(
             "gamma", gamma, low=0.0, high=1.0, low_open=True
         )
@@ -50,6 +51,9 @@ class GSNRMixin:
             "gsnr_epsilon", gsnr_epsilon, low=0.0, low_open=True
         )
         self.jit_update = _validation.check_bool("jit_update", jit_update)
+        self.track_gsnr_statistics = _validation.check_bool(
+            "track_gsnr_statistics", track_gsnr_statistics
+        )
 
     def build(self, var_list):
         if self.built:
@@ -80,7 +84,10 @@ class GSNRMixin:
         else:
             self._accumulated_squares = None
         # Diagnostics, not state: kept out of `variables` and checkpoints.
-        self._gsnr_monitor = _Untracked(float32_slots("gsnr_statistics", shape=(4,), track=False))
+        self._gsnr_monitor = _Untracked(
+            float32_slots("gsnr_statistics", shape=(4,), track=False)
+            if self.track_gsnr_statistics else [None] * len(var_list)
+        )
         self._variable_updates = {}
 
     def _float32_slots(self, var_list, name, shape=None, track=True, **kwargs):
@@ -209,10 +216,13 @@ class GSNRMixin:
             )
             gsnr = functional.raw_gsnr(gradient_mean, second_moment, self.gsnr_epsilon)
             scale = functional.normalized_clipped_gsnr(gsnr, self.gamma)
-            # Running sums of [mean GSNR, at gamma, at 1, updates].
-            statistics_slot.assign_add(
-                tf.concat([functional.gsnr_statistics(gsnr, scale, self.gamma), [1.0]], 0)
-            )
+            if statistics_slot is not None:
+                # Running sums of [mean GSNR, at gamma, at 1, updates]. Off by
+                # default: on XLA/CPU their reductions made the whole VR-Adam
+                # update about 2x slower (docs/RESULTS.md).
+                statistics_slot.assign_add(
+                    tf.concat([functional.gsnr_statistics(gsnr, scale, self.gamma), [1.0]], 0)
+                )
             if gsnr_momentum_slot is not None:
                 new_momentum, scale = functional.gsnr_momentum(
                     gsnr_momentum_slot, scale, self.beta_3, step
@@ -243,7 +253,9 @@ class GSNRMixin:
 
         Returns a float32 numpy array of shape ``[variables, 4]`` (read from
         the device in one transfer), or None before the optimizer is built.
+        Raises ValueError unless `track_gsnr_statistics` is True.
         """
+        self._check_tracking("gsnr_statistic_sums")
         if not self.built:
             return None
         return tf.stack([v.value for v in self._gsnr_monitor.value]).numpy()
@@ -258,8 +270,10 @@ class GSNRMixin:
             elements of the raw GSNR ``gbar^2 / var``, and the fractions of
             elements whose normalised GSNR was clipped to `gamma` or to 1.
             The averages are NaN when no update has run. Empty before the
-            optimizer is built.
+            optimizer is built. Raises ValueError unless
+            `track_gsnr_statistics` is True.
         """
+        self._check_tracking("gsnr_statistics")
         sums = self.gsnr_statistic_sums()
         if sums is None:
             return {}
@@ -270,9 +284,17 @@ class GSNRMixin:
 
     def reset_gsnr_statistics(self):
         """Restarts the running sums behind `gsnr_statistics` (no host sync)."""
+        self._check_tracking("reset_gsnr_statistics")
         if self.built:
             for v in self._gsnr_monitor.value:
                 v.assign(tf.zeros_like(v))
+
+    def _check_tracking(self, method):
+        if not self.track_gsnr_statistics:
+            raise ValueError(
+                f"{type(self).__name__}.{method}() needs the optimizer to sum "
+                "GSNR statistics: construct it with track_gsnr_statistics=True."
+            )
 
     def _gsnr_config(self):
         return {
@@ -280,6 +302,7 @@ class GSNRMixin:
             "beta_3": self.beta_3,
             "gsnr_epsilon": self.gsnr_epsilon,
             "jit_update": self.jit_update,
+            "track_gsnr_statistics": self.track_gsnr_statistics,
         }
 
 

@@ -17,7 +17,8 @@ _STATISTICS = (
 class GSNRMonitor(keras.callbacks.Callback):
     """Logs the GSNR statistics of a VR optimizer during `fit`.
 
-    The optimizer sums, on the device and at every update, each variable's
+    The optimizer (constructed with ``track_gsnr_statistics=True``) sums,
+    on the device and at every update, each variable's
     mean raw GSNR (``gbar^2 / var``) and the fractions of its elements whose
     normalised GSNR was clipped to `gamma` or to 1. This callback reads those
     sums in one transfer at the end of each epoch (and, with an integer
@@ -68,6 +69,12 @@ class GSNRMonitor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._optimizer = self._vr_optimizer()
+        if not self._optimizer.track_gsnr_statistics:
+            raise ValueError(
+                f"GSNRMonitor reads the statistics that "
+                f"{type(self._optimizer).__name__} sums only when constructed "
+                "with track_gsnr_statistics=True."
+            )
 
     def on_epoch_begin(self, epoch, logs=None):
         self._optimizer.reset_gsnr_statistics()

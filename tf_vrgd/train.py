@@ -337,6 +337,9 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
     callbacks = []
     vr_optimizer = find_vr_optimizer(model.optimizer)
     if vr_optimizer is not None:
+        # Read at build, which comes with the first update (a resumed model's
+        # saved config has it already).
+        vr_optimizer.track_gsnr_statistics = True
         # Model-wide figures in the progress bar; per layer in the records.
         callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False))
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))

@@ -30,19 +30,24 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
         gsnr_epsilon: Float > 0. Defaults to 1e-6.
         jit_update: Bool, XLA-compile the per-variable update. Defaults to
             True.
+        track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
+            every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
+            Defaults to False (they cost extra reductions per update).
         **kwargs: Keras base optimizer arguments (and Keras Adam's `amsgrad`).
     """
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-7, gamma=0.1, beta_3=0.9, gsnr_epsilon=1e-6,
-                 jit_update=True, **kwargs):
+                 jit_update=True,
+                 track_gsnr_statistics=False, **kwargs):
         _validation.check_learning_rate(learning_rate)
         for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
             _validation.check_number(name, value, low=0.0, high=1.0, high_open=True)
         _validation.check_number("epsilon", epsilon, low=0.0)
         super().__init__(learning_rate=learning_rate, beta_1=beta_1,
                          beta_2=beta_2, epsilon=epsilon, **kwargs)
-        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update)
+        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update,
+                        track_gsnr_statistics)
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}

@@ -27,6 +27,9 @@ class VRLAMB(GSNRMixin, LAMB):
         gsnr_epsilon: Float > 0. Defaults to 1e-6.
         jit_update: Bool, XLA-compile the per-variable update. Defaults to
             True.
+        track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
+            every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
+            Defaults to False (they cost extra reductions per update).
         **kwargs: Keras base optimizer arguments.
     """
 
@@ -34,7 +37,8 @@ class VRLAMB(GSNRMixin, LAMB):
                  epsilon=1e-6, weight_decay_rate=0.0,
                  exclude_from_weight_decay=None,
                  exclude_from_layer_adaptation=None, gamma=0.1, beta_3=0.9,
-                 gsnr_epsilon=1e-6, jit_update=True, **kwargs):
+                 gsnr_epsilon=1e-6, jit_update=True,
+                 track_gsnr_statistics=False, **kwargs):
         super().__init__(
             learning_rate=learning_rate,
             beta_1=beta_1,
@@ -45,7 +49,8 @@ class VRLAMB(GSNRMixin, LAMB):
             exclude_from_layer_adaptation=exclude_from_layer_adaptation,
             **kwargs,
         )
-        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update)
+        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update,
+                        track_gsnr_statistics)
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}

@@ -37,19 +37,24 @@ class VRSGD(GSNRMixin, keras.optimizers.SGD):
         gsnr_epsilon: Float > 0, relative variance floor. Defaults to 1e-6.
         jit_update: Bool, XLA-compile the per-variable update. Defaults to
             True.
+        track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
+            every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
+            Defaults to False (they cost extra reductions per update).
         **kwargs: Keras base optimizer arguments; `gradient_accumulation_steps`
             adds its micro-steps to the samples.
     """
 
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False,
                  gamma=0.1, beta_3=0.0, gsnr_epsilon=1e-6, jit_update=True,
+                 track_gsnr_statistics=False,
                  **kwargs):
         _validation.check_learning_rate(learning_rate)
         _validation.check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         _validation.check_bool("nesterov", nesterov)
         super().__init__(learning_rate=learning_rate, momentum=momentum,
                          nesterov=nesterov, **kwargs)
-        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update)
+        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update,
+                        track_gsnr_statistics)
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}
