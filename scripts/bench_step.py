@@ -5,7 +5,8 @@
 
 Prints, per model and device set-up, the median seconds per call of each
 optimizer (interleaved repetitions, one process), the VR/base ratios, the
-XLA/non-XLA ratio of the VR update, and the achieved memory traffic of each
+XLA/non-XLA ratio of the VR update (and, with --statistics, the cost of
+tracking the GSNR statistics), and the achieved memory traffic of each
 update against the machine's copy bandwidth. See `tf_vrgd/benchmark.py`.
 """
 
@@ -34,6 +35,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="calls per timed repetition")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repetitions")
     parser.add_argument("--mlp-parameters", type=int, default=10_000_000)
+    parser.add_argument("--statistics", action="store_true",
+                        help="also time each VR optimizer with track_gsnr_statistics=True")
     args = parser.parse_args(argv)
 
     import tensorflow as tf

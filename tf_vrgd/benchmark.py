@@ -258,6 +258,10 @@ def run(args, gpus):
                     candidates.append(Candidate(
                         "vr no-xla", lambda: make_vr(jit_update=False, **extra),
                         make_model, strategy, (x, batch[1])))
+                    if args.statistics:
+                        candidates.append(Candidate(
+                            "vr statistics", lambda: make_vr(track_gsnr_statistics=True, **extra),
+                            make_model, strategy, (x, batch[1])))
                 for kind in args.kinds:
                     times = compare(candidates, kind, args.steps * calls_per_update, args.repeats,
                                     warmup=2 * calls_per_update + 1)
@@ -267,6 +271,8 @@ def run(args, gpus):
                             f"  twin/base {times['vr'] / times['base']:5.2f}")
                     if "vr no-xla" in times:
                         line += f"  xla/no-xla {times['vr'] / times['vr no-xla']:5.2f}"
+                    if "vr statistics" in times:
+                        line += f"  statistics on/off {times['vr statistics'] / times['vr']:5.2f}"
                     if kind == "update" and not extra:
                         base_bytes = UPDATE_BYTES_PER_PARAMETER[pairs()[pair_name][2]]
                         vr_bytes = _vr_bytes(pair_name, candidates[1].optimizer)
