@@ -218,8 +218,8 @@ class GSNRMixin:
             scale = functional.normalized_clipped_gsnr(gsnr, self.gamma)
             if statistics_slot is not None:
                 # Running sums of [mean GSNR, at gamma, at 1, updates]. Off by
-                # default: on XLA/CPU their reductions made the whole VR-Adam
-                # update about 2x slower (docs/RESULTS.md).
+                # default: XLA on CPU runs these reductions slowly
+                # (`scripts/bench_step.py --statistics`).
                 statistics_slot.assign_add(
                     tf.concat([functional.gsnr_statistics(gsnr, scale, self.gamma), [1.0]], 0)
                 )
