@@ -123,7 +123,7 @@ def _final_weights(run_dir):
 
 
 def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
-    epochs = 3
+    epochs = 2
     straight = tmp_path / "straight"
     done = subprocess.run(_command(fashion, straight, epochs), env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
