@@ -219,6 +219,36 @@ def test_xla_update_equals_non_xla_under_mirrored_strategy(strategy):
             ref.assert_close(g, e, f"{name} XLA vs non-XLA update", rtol=1e-5)
 
 
+def test_accumulators_hold_each_replicas_own_sums(strategy):
+    # Two kernels of one shape in each model and three optimizers of one
+    # kind: every replica's slots must hold its own gradient and its square
+    # after a micro-step, whichever optimizer or variable was traced first.
+    shapes = [(6, 6), (6,), (6, 6), (6,)]
+    runs = []
+    for seed, jit_update in ((20, True), (21, True), (22, False)):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6), keras.layers.Dense(6)])
+            optimizer = tf_vrgd.VRAdam(gradient_accumulation_steps=2, jit_update=jit_update)
+        stream = helpers.gradient_stream(shapes, 2, replicas=4, seed=seed)
+        helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[:1])
+        runs.append((optimizer, model, stream))
+    for optimizer, _, stream in runs:
+        for i in range(len(shapes)):
+            sums = strategy.experimental_local_results(optimizer._accumulated_gradients[i].value)
+            squares = strategy.experimental_local_results(optimizer._accumulated_squares[i].value)
+            for r in range(4):
+                g = stream[0][r][i].astype(np.float64) / 4  # the helper's 1/R loss scaling
+                np.testing.assert_allclose(sums[r].numpy(), g, rtol=1e-6)
+                np.testing.assert_allclose(squares[r].numpy(), g * g, rtol=1e-5)
+    # The update's micro-step leaves every replica's sums at zero.
+    optimizer, model, stream = runs[0]
+    helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[1:])
+    assert int(optimizer.iterations.numpy()) == 1
+    for slot in optimizer._accumulated_gradients + optimizer._accumulated_squares:
+        for value in strategy.experimental_local_results(slot.value):
+            assert not np.any(value.numpy())
+
+
 def test_update_is_traced_once(strategy):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=18)
     with strategy.scope():

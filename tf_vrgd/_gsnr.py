@@ -11,10 +11,11 @@ naming the method, if an upgrade changes it.
 
 Flow of one `apply` call (per replica, in replica context):
 
-1. Keras' clipping, then the local moments: ``g`` and ``g^2``, plus the
-   accumulators when `gradient_accumulation_steps = A` is set.
-   Each replica keeps its running sums in on-read accumulators (reset after
-   the update's micro-step), with no communication.
+1. Keras' clipping, then the local moments: ``g`` and ``g^2``. With
+   `gradient_accumulation_steps = A`, each replica adds both to its own
+   on-read accumulators in place, in one XLA pass per variable, with no
+   communication; the sums go on to step 2 and the accumulators are zeroed
+   after the update's micro-step.
 2. One `merge_call` into cross-replica context, where a `tf.cond` (not in
    replica context: Keras' own accumulation puts `merge_call` inside a cond
    and fails under `MirroredStrategy`) runs, once per update:
@@ -89,6 +90,7 @@ class GSNRMixin:
             if self.track_gsnr_statistics else [None] * len(var_list)
         )
         self._variable_updates = {}
+        self._moment_accumulations = {}
 
     def _float32_slots(self, var_list, name, shape=None, track=True, **kwargs):
         """One float32 variable per variable of `var_list` (GSNR statistics
@@ -124,30 +126,65 @@ class GSNRMixin:
         grads = [functional.as_float32(g) for g in grads]
         grads = self._clip_gradients(grads)
         indices = [self._get_variable_index(v) for v in trainable_variables]
-        sums = list(grads)
-        squares = [tf.square(g) for g in grads]
         if self.gradient_accumulation_steps:
             is_update_step = self._is_update_step()
-            sums = self._accumulate(self._accumulated_gradients, sums, indices, is_update_step)
-            squares = self._accumulate(self._accumulated_squares, squares, indices, is_update_step)
+            sums, squares = self._accumulate(grads, indices)
+        else:
+            sums, squares = grads, [tf.square(g) for g in grads]
         replica_context.merge_call(
             self._cross_replica_update,
             args=(sums, squares, list(trainable_variables), indices),
         )
+        if self.gradient_accumulation_steps:
+            # After the update has read the sums (reads are ordered before
+            # later writes to the same variable).
+            tf.cond(is_update_step, functools.partial(self._reset_accumulators, indices),
+                    lambda: None)
         if self.use_ema:
             self._update_model_variables_moving_average(self._trainable_variables)
 
-    @staticmethod
-    def _accumulate(accumulators, values, indices, is_update_step):
-        """Adds this micro-step to the replica's running sums; returns them,
-        and leaves the accumulators at zero after the update's micro-step."""
-        totals = []
-        for value, index in zip(values, indices):
-            accumulator = accumulators[index]
-            total = accumulator + value
-            accumulator.assign(tf.where(is_update_step, tf.zeros_like(total), total))
-            totals.append(total)
-        return totals
+    def _accumulate(self, grads, indices):
+        """Adds this micro-step's gradients and their squares to the
+        replica's running sums, in place, and returns the new sums.
+
+        One pass per variable: reads g and both sums, writes both sums
+        (20 B/param in fp32), XLA-compiled unless `jit_update` is False.
+        """
+        sums, squares = [], []
+        for gradient, index in zip(grads, indices):
+            self._moment_accumulation(index)(gradient)
+            sums.append(self._accumulated_gradients[index].value.read_value())
+            squares.append(self._accumulated_squares[index].value.read_value())
+        return sums, squares
+
+    def _moment_accumulation(self, index):
+        """``sum += g; squares += g^2`` for one variable, made once per
+        variable like `_variable_update`.
+
+        The slots are captured, not passed: a captured on-read slot is this
+        replica's copy, and a trace is made per replica device. (Passed as
+        arguments, distributed slots were bound at trace time too, so a
+        function shared by several variables or optimizers would write to the
+        slots it was first traced with.)
+        """
+        if index in self._moment_accumulations:
+            return self._moment_accumulations[index]
+        sum_slot = self._accumulated_gradients[index]
+        square_slot = self._accumulated_squares[index]
+
+        def accumulate(gradient):
+            sum_slot.assign_add(gradient)
+            square_slot.assign_add(tf.square(gradient))
+
+        if self.jit_update:
+            accumulate = tf.function(accumulate, jit_compile=True)
+        self._moment_accumulations[index] = accumulate
+        return accumulate
+
+    def _reset_accumulators(self, indices):
+        for index in indices:
+            for slot in (self._accumulated_gradients[index], self._accumulated_squares[index]):
+                slot.assign(tf.zeros(slot.shape, slot.dtype))
 
     def _check_sample_count(self, replicas):
         steps = self.gradient_accumulation_steps or 1
