@@ -28,7 +28,8 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
         gamma: Float in (0, 1]. Defaults to 0.1.
         beta_3: Float in [0, 1), GSNR momentum. Defaults to 0.9.
         gsnr_epsilon: Float > 0. Defaults to 1e-6.
-        jit_update: Bool, XLA-compile the per-variable update. Defaults to
+        jit_update: Bool, XLA-compile the per-variable update (and, with
+            accumulation, the per-variable micro-step sums). Defaults to
             True.
         track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
             every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
