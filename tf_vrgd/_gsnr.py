@@ -13,8 +13,8 @@ Flow of one `apply` call (per replica, in replica context):
 
 1. Keras' clipping, then the local moments: ``g`` and ``g^2``. With
    `gradient_accumulation_steps = A`, each replica adds both to its own
-   on-read accumulators in place, in one XLA pass per variable, with no
-   communication; the sums go on to step 2 and the accumulators are zeroed
+   on-read accumulators in place, in one XLA call for all variables, with
+   no communication; the sums go on to step 2 and the accumulators are zeroed
    after the update's micro-step.
 2. One `merge_call` into cross-replica context, where a `tf.cond` (not in
    replica context: Keras' own accumulation puts `merge_call` inside a cond
@@ -147,38 +147,38 @@ class GSNRMixin:
         """Adds this micro-step's gradients and their squares to the
         replica's running sums, in place, and returns the new sums.
 
-        One pass per variable: reads g and both sums, writes both sums
-        (20 B/param in fp32), XLA-compiled unless `jit_update` is False.
+        One pass over memory (reads g and both sums, writes both sums: 20
+        B/param in fp32) in one XLA call for all variables, unless
+        `jit_update` is False.
         """
-        sums, squares = [], []
-        for gradient, index in zip(grads, indices):
-            self._moment_accumulation(index)(gradient)
-            sums.append(self._accumulated_gradients[index].value.read_value())
-            squares.append(self._accumulated_squares[index].value.read_value())
+        self._moment_accumulation(tuple(indices))(grads)
+        sums = [self._accumulated_gradients[i].value.read_value() for i in indices]
+        squares = [self._accumulated_squares[i].value.read_value() for i in indices]
         return sums, squares
 
-    def _moment_accumulation(self, index):
-        """``sum += g; squares += g^2`` for one variable, made once per
-        variable like `_variable_update`.
+    def _moment_accumulation(self, indices):
+        """``sum += g; squares += g^2`` for the variables at `indices`, made
+        once per set of variables like `_variable_update`.
 
         The slots are captured, not passed: a captured on-read slot is this
         replica's copy, and a trace is made per replica device. (Passed as
         arguments, distributed slots were bound at trace time too, so a
-        function shared by several variables or optimizers would write to the
-        slots it was first traced with.)
+        function shared by several optimizers would write to the slots it
+        was first traced with.)
         """
-        if index in self._moment_accumulations:
-            return self._moment_accumulations[index]
-        sum_slot = self._accumulated_gradients[index]
-        square_slot = self._accumulated_squares[index]
+        if indices in self._moment_accumulations:
+            return self._moment_accumulations[indices]
+        sum_slots = [self._accumulated_gradients[i] for i in indices]
+        square_slots = [self._accumulated_squares[i] for i in indices]
 
-        def accumulate(gradient):
-            sum_slot.assign_add(gradient)
-            square_slot.assign_add(tf.square(gradient))
+        def accumulate(grads):
+            for gradient, sum_slot, square_slot in zip(grads, sum_slots, square_slots):
+                sum_slot.assign_add(gradient)
+                square_slot.assign_add(tf.square(gradient))
 
         if self.jit_update:
             accumulate = tf.function(accumulate, jit_compile=True)
-        self._moment_accumulations[index] = accumulate
+        self._moment_accumulations[indices] = accumulate
         return accumulate
 
     def _reset_accumulators(self, indices):
