@@ -18,7 +18,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=4,
                         help="logical CPU replicas (or GPUs, if present) for the mirrored set-up")
@@ -37,7 +37,11 @@ def main(argv=None):
     parser.add_argument("--mlp-parameters", type=int, default=10_000_000)
     parser.add_argument("--statistics", action="store_true",
                         help="also time each VR optimizer with track_gsnr_statistics=True")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     import tensorflow as tf
 

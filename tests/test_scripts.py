@@ -1,5 +1,6 @@
 """The experiment scripts' bookkeeping (no training): the sweep's best-rate
-table and resumable results, and the linear regression's steps-to-target."""
+table and resumable results, the linear regression's steps-to-target, and a
+minute-sized run of the step-cost benchmark."""
 
 import importlib.util
 import json
@@ -51,3 +52,23 @@ def test_linear_regression_steps_to_target():
     linear = _script("linear_regression")
     assert linear.steps_to_reach([5.0, 3.0, 1.0, 0.5], 1.0) == 3
     assert linear.steps_to_reach([5.0, 3.0], 1.0) is None
+
+
+def test_bench_step_prints_ratios_and_traffic_with_accumulation(capsys):
+    from tf_vrgd import benchmark
+
+    # The one-device set-up only: the mirrored one makes its own strategy
+    # over the devices the test session's strategy uses.
+    args = _script("bench_step").parse_args([
+        "--setups", "accumulation", "--models", "mlp", "--mlp-parameters", "20000",
+        "--pairs", "Adam", "LARC", "--steps", "1", "--repeats", "1", "--batch", "8",
+    ])
+    benchmark.run(args, gpus=[])
+    out = capsys.readouterr().out
+    assert "memory copy bandwidth" in out
+    rows = [line for line in out.splitlines() if "twin/base" in line]
+    assert [line.split()[:2] for line in rows] == [
+        ["Adam", "update"], ["Adam", "train"], ["LARC", "update"], ["LARC", "train"]]
+    for line in rows:
+        assert ("traffic/bandwidth" in line) == (" update " in line)
+    assert "xla/no-xla" in rows[0] and "xla/no-xla" not in rows[2]

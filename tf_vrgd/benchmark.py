@@ -16,6 +16,11 @@ read or written; what a fused kernel could reach at best):
     LARS             reads g, w, v; writes w, v (+ 2 norm passes)    20 B
     VR adds          reads the square sum (4 B) and, with beta_3 > 0,
                      reads and writes the GSNR momentum (8 B)        +4 or +12 B
+
+With gradient accumulation, each micro-step adds to the running sums:
+
+    Keras            reads g and its accumulator; writes it          12 B
+    VR               reads g and both sums; writes both sums         20 B
 """
 
 import statistics
@@ -33,6 +38,8 @@ UPDATE_BYTES_PER_PARAMETER = {
 }
 # Extra bytes of the VR twin: the second sum, and the GSNR momentum if any.
 VR_EXTRA_BYTES = {"sum of squares": 4, "gsnr momentum": 8}
+# Bytes per parameter of one accumulation micro-step.
+ACCUMULATION_BYTES = {"base": 12, "vr": 20}
 
 
 def memory_bandwidth(megabytes=256, repeats=5):
@@ -273,9 +280,13 @@ def run(args, gpus):
                         line += f"  xla/no-xla {times['vr'] / times['vr no-xla']:5.2f}"
                     if "vr statistics" in times:
                         line += f"  statistics on/off {times['vr statistics'] / times['vr']:5.2f}"
-                    if kind == "update" and not extra:
+                    if kind == "update":
                         base_bytes = UPDATE_BYTES_PER_PARAMETER[pairs()[pair_name][2]]
                         vr_bytes = _vr_bytes(pair_name, candidates[1].optimizer)
+                        if extra:  # per update: A micro-steps, then the rule
+                            base_bytes += args.accumulation * ACCUMULATION_BYTES["base"]
+                            vr_bytes += args.accumulation * ACCUMULATION_BYTES[
+                                "base" if pair_name == "LARC" else "vr"]
                         achieved = {
                             "base": copies * base_bytes * params / times["base"],
                             "vr": copies * vr_bytes * params / times["vr"],
