@@ -213,14 +213,17 @@ def pairs():
     }
 
 
-def _vr_bytes(pair_name, optimizer):
-    base = UPDATE_BYTES_PER_PARAMETER[pairs()[pair_name][2]]
-    if pair_name == "LARC":
-        return base
-    extra = VR_EXTRA_BYTES["sum of squares"]
+def _update_bytes(pair_name, optimizer, accumulation_steps=0):
+    """Bytes per parameter of one update of the base and of its twin
+    (VR optimizer or LARC), with `accumulation_steps` micro-steps before it."""
+    base = vr = UPDATE_BYTES_PER_PARAMETER[pairs()[pair_name][2]]
+    base += accumulation_steps * ACCUMULATION_BYTES["base"]
+    if pair_name == "LARC":  # LARC adds no state; Keras accumulates for it
+        return base, vr + accumulation_steps * ACCUMULATION_BYTES["base"]
+    vr += VR_EXTRA_BYTES["sum of squares"] + accumulation_steps * ACCUMULATION_BYTES["vr"]
     if getattr(optimizer, "beta_3", 0) > 0:
-        extra += VR_EXTRA_BYTES["gsnr momentum"]
-    return base + extra
+        vr += VR_EXTRA_BYTES["gsnr momentum"]
+    return base, vr
 
 
 def run(args, gpus):
@@ -281,12 +284,9 @@ def run(args, gpus):
                     if "vr statistics" in times:
                         line += f"  statistics on/off {times['vr statistics'] / times['vr']:5.2f}"
                     if kind == "update":
-                        base_bytes = UPDATE_BYTES_PER_PARAMETER[pairs()[pair_name][2]]
-                        vr_bytes = _vr_bytes(pair_name, candidates[1].optimizer)
-                        if extra:  # per update: A micro-steps, then the rule
-                            base_bytes += args.accumulation * ACCUMULATION_BYTES["base"]
-                            vr_bytes += args.accumulation * ACCUMULATION_BYTES[
-                                "base" if pair_name == "LARC" else "vr"]
+                        base_bytes, vr_bytes = _update_bytes(
+                            pair_name, candidates[1].optimizer,
+                            args.accumulation if extra else 0)
                         achieved = {
                             "base": copies * base_bytes * params / times["base"],
                             "vr": copies * vr_bytes * params / times["vr"],

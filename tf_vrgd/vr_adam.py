@@ -29,8 +29,7 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
         beta_3: Float in [0, 1), GSNR momentum. Defaults to 0.9.
         gsnr_epsilon: Float > 0. Defaults to 1e-6.
         jit_update: Bool, XLA-compile the per-variable update (and, with
-            accumulation, the micro-step sums). Defaults to
-            True.
+            accumulation, the micro-step sums). Defaults to True.
         track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
             every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
             Defaults to False (they cost extra reductions per update).
