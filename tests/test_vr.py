@@ -8,11 +8,25 @@ import pytest
 import tensorflow as tf
 
 import tf_vrgd
+from tf_vrgd import _gsnr
 from tests import helpers
 from tests import references as ref
 
 SCALES = [1e-2, 1.0, 5e-2, 0.3]
 UPDATES = 5
+# Size limits of the packed update path (tf_vrgd._gsnr.PACKED_MAX_ELEMENTS)
+# on the test model's variables of 48, 6, 18 and 3 elements.
+PACKING = {"packed": 2**14, "mixed": 10, "fused": -1}
+
+
+@pytest.fixture(autouse=True)
+def update_path(request, monkeypatch):
+    """Both update paths in every test here: the kernels (48 and 18
+    elements) in the fused XLA program, the biases packed; tests
+    parametrized on `path` choose."""
+    path = request.node.callspec.params.get("path", "mixed") if hasattr(request.node, "callspec") else "mixed"
+    monkeypatch.setattr(_gsnr, "PACKED_MAX_ELEMENTS", PACKING[path])
+    return path
 
 
 def _base_step(name, lr, **hyper):
@@ -88,8 +102,9 @@ def _shapes():
     return [w.shape for w in helpers.make_model().get_weights()]
 
 
+@pytest.mark.parametrize("path", PACKING)
 @pytest.mark.parametrize("case", CASES)
-def test_vr_matches_reference_on_four_replicas(strategy, case):
+def test_vr_matches_reference_on_four_replicas(strategy, case, path):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=11)
     initial, got, optimizer = helpers.run_mirrored(strategy, lambda: _make(case), stream)
     expected = _reference(case, initial, helpers.samples_per_update(stream, 1))
@@ -138,8 +153,9 @@ TWINS = {
 }
 
 
+@pytest.mark.parametrize("path", ["packed", "fused"])
 @pytest.mark.parametrize("name", TWINS)
-def test_gamma_one_equals_base_optimizer(strategy, name):
+def test_gamma_one_equals_base_optimizer(strategy, name, path):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=14)
     _, vr, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](gamma=1.0, beta_3=0.5), stream)
     _, base, _ = helpers.run_mirrored(strategy, BASES[name], stream)
@@ -160,8 +176,9 @@ def test_gamma_one_equals_base_optimizer(strategy, name):
             ref.assert_close(g, e, "VRLAMB gamma=1 vs numpy LAMB", rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["packed", "fused"])
 @pytest.mark.parametrize("name", TWINS)
-def test_identical_replicas_give_base_optimizer(strategy, name):
+def test_identical_replicas_give_base_optimizer(strategy, name, path):
     one = helpers.gradient_stream(_shapes(), UPDATES, replicas=1, scales=SCALES, seed=15)
     stream = [[step[0]] * 4 for step in one]
     _, vr, _ = helpers.run_mirrored(strategy, TWINS[name], stream)
@@ -249,18 +266,46 @@ def test_accumulators_hold_each_replicas_own_sums(strategy):
             assert not np.any(value.numpy())
 
 
+def _update_traces(optimizer):
+    """Traces of the optimizer's compiled update programs."""
+    return sum(f.compiled.experimental_get_tracing_count()
+               for f in optimizer._variable_updates.values() if f.compiled is not None)
+
+
 def test_update_is_traced_once(strategy):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=18)
     with strategy.scope():
         model = helpers.make_model()
         optimizer = tf_vrgd.VRAdam()
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[:1])
-    traces = {i: f.experimental_get_tracing_count() for i, f in optimizer._variable_updates.items()}
-    assert all(count >= 1 for count in traces.values())
+    # One compiled program per replica device, for all variables.
+    assert _update_traces(optimizer) == strategy.num_replicas_in_sync
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[1:])
     # The same compiled functions serve every later step (the step function
     # in the helper is re-created per call, yet nothing is re-traced here).
-    assert {i: f.experimental_get_tracing_count() for i, f in optimizer._variable_updates.items()} == traces
+    assert _update_traces(optimizer) == strategy.num_replicas_in_sync
+
+
+@pytest.mark.parametrize("accumulation_steps", [None, 2])
+def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulation_steps):
+    # MLPs of 5 and 40 Dense layers (10 and 80 variables; the kernels go to
+    # the XLA program, the biases are packed): the VR update is traced (and
+    # XLA-compiled) once per replica device for either.
+    traces = {}
+    for layers in (5, 40):
+        with strategy.scope():
+            model = keras.Sequential(
+                [keras.Input((4,))] + [keras.layers.Dense(4) for _ in range(layers)]
+            )
+            optimizer = tf_vrgd.VRSGD(
+                momentum=0.9, beta_3=0.5, gradient_accumulation_steps=accumulation_steps
+            )
+        shapes = [tuple(v.shape) for v in model.trainable_variables]
+        stream = helpers.gradient_stream(shapes, accumulation_steps or 1, replicas=4, seed=layers)
+        helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
+        assert int(optimizer.iterations.numpy()) == 1  # updates, not micro-steps
+        traces[layers] = _update_traces(optimizer)
+    assert traces == {5: 4, 40: 4}
 
 
 def test_larc_wraps_a_vr_optimizer(strategy):

@@ -35,6 +35,12 @@ from tf_vrgd import _validation
 from tf_vrgd import functional
 
 
+# Variables of at most this many elements (64 KiB in float32) are updated
+# together by `GSNRMixin._packed_update` instead of one by one in the XLA
+# program; docs/algorithms.md §6 gives the measurements behind it.
+PACKED_MAX_ELEMENTS = 2**14
+
+
 class GSNRMixin:
     """Turns a Keras optimizer into its VR twin. Host classes call
     `_init_gsnr` from `__init__` and list this mixin before the base
@@ -207,9 +213,7 @@ class GSNRMixin:
         return tf.equal((self._iterations + 1) % self.gradient_accumulation_steps, 0)
 
     def _cross_replica_update(self, distribution, sums, squares, variables, indices):
-        tf_variables = [
-            v.value if isinstance(v, keras.Variable) else v for v in variables
-        ]
+        tf_variables = [_tf_variable(v) for v in variables]
 
         def update():
             # One collective for both sums of every variable.
@@ -220,14 +224,16 @@ class GSNRMixin:
             count = len(tf_variables)
             learning_rate = tf.convert_to_tensor(self.learning_rate)
             step = tf.cast(self.iterations + 1, tf.float32)
-            for j, (variable, index) in enumerate(zip(tf_variables, indices)):
-                distribution.extended.update(
-                    variable,
-                    self._variable_update(index),
-                    args=(reduced[j], reduced[count + j], learning_rate, step,
-                          distribution.num_replicas_in_sync),
-                    group=False,
-                )
+            # `fn` runs once per device holding the variables, inside that
+            # device's update context: one compiled program per device updates
+            # all of that device's copies.
+            distribution.extended.update_non_slot(
+                distribution.extended.non_slot_devices(tf_variables),
+                self._device_update(tuple(indices)),
+                args=(reduced[:count], reduced[count:], learning_rate, step,
+                      distribution.num_replicas_in_sync),
+                group=False,
+            )
 
         if not self.gradient_accumulation_steps:
             update()
@@ -235,24 +241,140 @@ class GSNRMixin:
             # In cross-replica context, so that no merge_call sits in a cond.
             tf.cond(self._is_update_step(), update, lambda: None)
 
+    def _device_update(self, indices):
+        """The VR update of the variables at `indices` on one device, made
+        once per set of variables and traced once per device.
+
+        Variables are split by size. Those over `PACKED_MAX_ELEMENTS`
+        elements are updated by one XLA program (unless `jit_update` is
+        False): GSNR, GSNR momentum and the base rule, fused per variable.
+        The small ones (biases, normalisation scales: most of the variables
+        of a ResNet or a transformer, a few percent of its parameters) go
+        through `_packed_update`, a handful of ops for all of them, since
+        compiling or launching kernels per variable costs more than their
+        bytes.
+
+        Both capture the variables and slots rather than taking them as
+        arguments, like `_moment_accumulation`. Traced inside a device's
+        update context, a captured mirrored variable is that device's copy,
+        so each device gets one trace of its own, whatever the number of
+        variables.
+        """
+        if indices in self._variable_updates:
+            return self._variable_updates[indices]
+        sizes = [self._trainable_variables[i].shape.num_elements() for i in indices]
+        fused = [j for j, size in enumerate(sizes) if size > PACKED_MAX_ELEMENTS]
+        packed = [j for j, size in enumerate(sizes) if size <= PACKED_MAX_ELEMENTS]
+        fused_updates = [self._variable_update(indices[j]) for j in fused]
+
+        def fused_update(sums, squares, learning_rate, step, replicas):
+            hyper = self._shared_scalars(step)
+            for update, sum_of_gradients, sum_of_squares in zip(fused_updates, sums, squares):
+                update(sum_of_gradients, sum_of_squares, learning_rate, hyper, replicas)
+
+        if self.jit_update:
+            fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
+        packed_update = self._packed_update([indices[j] for j in packed])
+
+        def device_update(sums, squares, learning_rate, step, replicas):
+            if fused:
+                fused_update([sums[j] for j in fused], [squares[j] for j in fused],
+                             learning_rate, step, replicas)
+            if packed:
+                packed_update([sums[j] for j in packed], [squares[j] for j in packed],
+                              learning_rate, step, replicas)
+
+        # The compiled program, whose traces the tests count.
+        device_update.compiled = fused_update if fused and self.jit_update else None
+        self._variable_updates[indices] = device_update
+        return device_update
+
+    def _shared_scalars(self, step):
+        """Scalars shared by every variable of an update: one constant each
+        in the program, not one per variable."""
+        return {
+            "gamma": tf.constant(self.gamma, tf.float32),
+            "epsilon": tf.constant(self.gsnr_epsilon, tf.float32),
+            "beta_3": tf.constant(self.beta_3, tf.float32),
+            "correction": functional.gsnr_momentum_correction(self.beta_3, step),
+        }
+
+    def _packed_update(self, indices):
+        """The VR update of the (small) variables at `indices`, with the
+        GSNR of all of them computed on one flat vector.
+
+        Their sums are concatenated, the GSNR and its momentum are computed
+        element-wise on the whole, the per-variable means by one segment sum
+        (in float64, exact to float32 round-off whatever the sizes), and the
+        scaled gradient is split back; each variable's base rule then runs
+        as Keras runs it, outside XLA. The ops do not grow with the number
+        of variables, except the reshapes, splits and assignments.
+        """
+        if not indices:
+            return None
+        variables = [_tf_variable(self._trainable_variables[i]) for i in indices]
+        decays = [bool(self.weight_decay) and self._use_weight_decay(self._trainable_variables[i])
+                  for i in indices]
+        momentum_slots = [self._gsnr_momentums[i] for i in indices]
+        statistics_slots = [self._gsnr_monitor.value[i] for i in indices]
+        sizes = [v.shape.num_elements() for v in variables]
+        segment_ids = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+        accumulation_steps = self.gradient_accumulation_steps or 1
+
+        def flatten(tensors):
+            return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+
+        def packed_update(sums, squares, learning_rate, step, replicas):
+            hyper = self._shared_scalars(step)
+            segments = tf.constant(segment_ids)
+            gradient_mean, second_moment = functional.gradient_moments(
+                flatten(sums), flatten(squares), replicas, accumulation_steps
+            )
+            gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
+            scale, layer_means = functional.segment_normalized_clipped_gsnr(
+                gsnr, segments, sizes, hyper["gamma"]
+            )
+            if statistics_slots[0] is not None:
+                rows = functional.segment_gsnr_statistics(
+                    layer_means, scale, segments, sizes, self.gamma
+                )
+                for slot, row in zip(statistics_slots, tf.unstack(rows)):
+                    slot.assign_add(tf.concat([row, [1.0]], 0))
+            if momentum_slots[0] is not None:
+                beta_3 = hyper["beta_3"]
+                momentum = beta_3 * flatten(momentum_slots) + (1.0 - beta_3) * scale
+                for slot, value in zip(momentum_slots, tf.split(momentum, sizes)):
+                    slot.assign(tf.reshape(value, slot.shape))
+                scale = momentum / hyper["correction"]
+            scaled_gradients = tf.split(scale * gradient_mean, sizes)
+            for variable, decay, gradient in zip(variables, decays, scaled_gradients):
+                if decay:  # Keras' decoupled weight decay, applied as Keras does.
+                    variable.assign_sub(
+                        variable
+                        * tf.cast(self.weight_decay, variable.dtype)
+                        * tf.cast(learning_rate, variable.dtype)
+                    )
+                gradient = tf.cast(tf.reshape(gradient, variable.shape), variable.dtype)
+                self.update_step(gradient, variable, learning_rate)
+
+        return packed_update
+
     def _variable_update(self, index):
-        """The per-variable VR update (XLA-compiled unless `jit_update` is
-        False), made once per variable and reused on every device and step."""
-        if index in self._variable_updates:
-            return self._variable_updates[index]
+        """The VR update of one variable, as a Python function of the reduced
+        sums: GSNR, its momentum, then the base rule's `update_step`."""
         keras_variable = self._trainable_variables[index]
+        variable = _tf_variable(keras_variable)
         decays = bool(self.weight_decay) and self._use_weight_decay(keras_variable)
         gsnr_momentum_slot = self._gsnr_momentums[index]
         statistics_slot = self._gsnr_monitor.value[index]
         accumulation_steps = self.gradient_accumulation_steps or 1
 
-        def vr_update(variable, sum_of_gradients, sum_of_squares, learning_rate,
-                      step, replicas):
+        def vr_update(sum_of_gradients, sum_of_squares, learning_rate, hyper, replicas):
             gradient_mean, second_moment = functional.gradient_moments(
                 sum_of_gradients, sum_of_squares, replicas, accumulation_steps
             )
-            gsnr = functional.raw_gsnr(gradient_mean, second_moment, self.gsnr_epsilon)
-            scale = functional.normalized_clipped_gsnr(gsnr, self.gamma)
+            gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
+            scale = functional.normalized_clipped_gsnr(gsnr, hyper["gamma"])
             if statistics_slot is not None:
                 # Running sums of [mean GSNR, at gamma, at 1, updates]. Off by
                 # default: XLA on CPU runs these reductions slowly
@@ -261,10 +383,11 @@ class GSNRMixin:
                     tf.concat([functional.gsnr_statistics(gsnr, scale, self.gamma), [1.0]], 0)
                 )
             if gsnr_momentum_slot is not None:
-                new_momentum, scale = functional.gsnr_momentum(
-                    gsnr_momentum_slot, scale, self.beta_3, step
-                )
-                gsnr_momentum_slot.assign(new_momentum)
+                # functional.gsnr_momentum, with its correction shared.
+                beta_3 = hyper["beta_3"]
+                momentum = beta_3 * gsnr_momentum_slot + (1.0 - beta_3) * scale
+                gsnr_momentum_slot.assign(momentum)
+                scale = momentum / hyper["correction"]
             scaled_gradient = scale * gradient_mean
             if decays:  # Keras' decoupled weight decay, applied as Keras does.
                 variable.assign_sub(
@@ -276,9 +399,6 @@ class GSNRMixin:
                 tf.cast(scaled_gradient, variable.dtype), variable, learning_rate
             )
 
-        if self.jit_update:
-            vr_update = tf.function(vr_update, jit_compile=True)
-        self._variable_updates[index] = vr_update
         return vr_update
 
     # -- diagnostics ------------------------------------------------------------
@@ -360,6 +480,11 @@ def summarize_gsnr_sums(row):
         "fraction_at_one": float(averages[2]),
         "updates": int(updates),
     }
+
+
+def _tf_variable(variable):
+    """The `tf.Variable` behind a Keras variable (a plain one is itself)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 class _Untracked:

@@ -23,6 +23,8 @@ With gradient accumulation, each micro-step adds to the running sums:
     VR               reads g and both sums; writes both sums         20 B
 """
 
+import functools
+import gc
 import statistics
 import time
 
@@ -69,6 +71,43 @@ def mlp(parameters=10_000_000, inputs=784, outputs=10):
             keras.layers.Dense(outputs),
         ]
     )
+
+
+def resnet50(classes=10):
+    """`keras.applications.ResNet50` on 32x32x3 inputs, untrained: 214
+    trainable variables (161 of them batch-norm scales and offsets)."""
+    return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=classes,
+                                       classifier_activation=None)
+
+
+class _PositionEmbedding(keras.layers.Layer):
+    """Adds a learned embedding of each position to its token embedding."""
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(shape=input_shape[1:], initializer="random_normal",
+                                          name="embeddings")
+
+    def call(self, inputs):
+        return inputs + self.embeddings
+
+
+def encoder(blocks=12, hidden=256, heads=4, intermediate=1024, vocabulary=1000,
+            sequence=32, classes=10):
+    """A BERT-style encoder built from Keras layers: token and position
+    embeddings, `blocks` post-norm transformer blocks (`MultiHeadAttention`,
+    `LayerNormalization`, a two-`Dense` feed-forward) and a classifier on
+    the mean token. At the defaults: 196 trainable variables, 9.8 M
+    parameters."""
+    tokens = keras.Input((sequence,), dtype="int32")
+    x = _PositionEmbedding()(keras.layers.Embedding(vocabulary, hidden)(tokens))
+    for _ in range(blocks):
+        attention = keras.layers.MultiHeadAttention(heads, hidden // heads)(x, x)
+        x = keras.layers.LayerNormalization()(x + attention)
+        feed_forward = keras.layers.Dense(intermediate, activation="gelu")(x)
+        feed_forward = keras.layers.Dense(hidden)(feed_forward)
+        x = keras.layers.LayerNormalization()(x + feed_forward)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(tokens, keras.layers.Dense(classes)(x))
 
 
 def parameter_count(model):
@@ -226,15 +265,76 @@ def _update_bytes(pair_name, optimizer, accumulation_steps=0):
     return base, vr
 
 
-def run(args, gpus):
-    """The whole `bench_step.py` matrix; prints tables."""
+MODEL_FACTORIES = {
+    "mlp": lambda args: mlp(args.mlp_parameters),
+    "cnn": lambda args: cnn(),
+    "resnet50": lambda args: resnet50(),
+    "encoder": lambda args: encoder(),
+}
+# Models measured at a fixed batch per replica (`--batch-per-replica`) rather
+# than at the global `--batch`.
+REAL_MODELS = ("resnet50", "encoder")
+
+
+def make_batch(model_name, global_batch, rng):
+    """A fixed random batch of inputs and integer labels for `model_name`."""
+    shapes = {"mlp": (784,), "cnn": (28, 28, 1), "resnet50": (32, 32, 3)}
+    if model_name == "encoder":
+        x = rng.integers(0, 1000, (global_batch, 32)).astype(np.int32)
+    else:
+        x = rng.random((global_batch, *shapes[model_name]), np.float32)
+    return x, rng.integers(0, 10, global_batch).astype(np.int32)
+
+
+def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3):
+    """Median seconds from a fresh optimizer to the end of its first update
+    in a training step (trace, compile, run), per candidate, interleaved:
+    each round builds every candidate anew, in the same order.
+
+    Args:
+        factories: Dict name -> optimizer factory.
+        calls: Training-step calls up to the first update (the accumulation
+            steps A, with accumulation: the update's branch is compiled when
+            it first runs).
+    """
+    samples = {name: [] for name in factories}
+    for _ in range(rounds):
+        for name, make_optimizer in factories.items():
+            candidate = Candidate(name, make_optimizer, make_model, strategy, batch)
+            samples[name].append(candidate.time("train step", calls) * calls)
+            del candidate
+            gc.collect()
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def warm_up_runtime(strategy, extra):
+    """Pays the runtime's one-time start-up (collectives, the XLA CPU
+    back end) before anything is timed, with a VR training step on a tiny
+    model under `strategy`."""
+    import tf_vrgd
+
+    batch = make_batch("mlp", 8 * strategy.num_replicas_in_sync, np.random.default_rng(1))
+    candidate = Candidate("warm-up", lambda: tf_vrgd.VRAdam(**extra), lambda: mlp(20_000),
+                          strategy, batch)
+    candidate.time("train step", 2 * (extra.get("gradient_accumulation_steps") or 1))
+
+
+def measure(args, gpus, report=print):
+    """The whole `bench_step.py` matrix.
+
+    Returns a list of dicts, one per measured line: ``setup``, ``model``,
+    ``parameters``, ``variables``, ``replicas``, ``pair``, ``kind`` ("first
+    step", "update" or "train step") and ``seconds`` (candidate -> median
+    seconds: "base", "vr", and "vr no-xla" / "vr statistics" where
+    measured), plus, for "update", ``traffic`` (candidate -> achieved bytes/s
+    over the copy bandwidth). Each row is passed to `report` as soon as it
+    is measured; `format_row` makes a line of it.
+    """
     bandwidth = memory_bandwidth()
-    print(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    report(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
     chosen = {k: v for k, v in pairs().items() if not args.pairs or k in args.pairs}
-    model_fns = {"mlp": lambda: mlp(args.mlp_parameters), "cnn": cnn}
     rng = np.random.default_rng(0)
-    batch = (rng.random((args.batch, 28, 28, 1), np.float32),
-             rng.integers(0, 10, args.batch).astype(np.int32))
+    rows = []
     for setup in args.setups:
         if setup == "mirrored":
             devices = ([f"/gpu:{i}" for i in range(len(gpus))] if gpus
@@ -247,50 +347,83 @@ def run(args, gpus):
         copies = strategy.num_replicas_in_sync
         # With accumulation a call is a micro-step; report per update.
         calls_per_update = args.accumulation if extra else 1
+        warm_up_runtime(strategy, extra)
         for model_name in args.models:
-            make_model = model_fns[model_name]
-            x = batch[0].reshape(args.batch, -1) if model_name == "mlp" else batch[0]
-            params = parameter_count(make_model())
-            print(f"\n== {model_name} ({params / 1e6:.2f} M parameters), {setup}: "
-                  f"{copies} replica(s)"
-                  f"{', A = %d micro-steps, times per update' % args.accumulation if extra else ''}")
-            if not extra:
+            make_model = functools.partial(MODEL_FACTORIES[model_name], args)
+            global_batch = (args.batch_per_replica * copies if model_name in REAL_MODELS
+                            else args.batch)
+            batch = make_batch(model_name, global_batch, rng)
+            if model_name == "mlp":
+                batch = (batch[0].reshape(global_batch, -1), batch[1])
+            model = make_model()
+            params, variables = parameter_count(model), len(model.trainable_variables)
+            del model
+            report(f"\n== {model_name} ({params / 1e6:.2f} M parameters, {variables} variables), "
+                   f"{setup}: {copies} replica(s), batch {global_batch}"
+                   f"{', A = %d micro-steps, times per update' % args.accumulation if extra else ''}")
+            if not extra and "update" in args.kinds:
                 reduce = collective_times(strategy, params)
-                print(f"all-reduce alone: sum {reduce['sum'] * 1e3:.2f} ms, sum and squares "
-                      f"{reduce['sum and squares'] * 1e3:.2f} ms "
-                      f"(x{reduce['sum and squares'] / reduce['sum']:.2f})")
+                report(f"all-reduce alone: sum {reduce['sum'] * 1e3:.2f} ms, sum and squares "
+                       f"{reduce['sum and squares'] * 1e3:.2f} ms "
+                       f"(x{reduce['sum and squares'] / reduce['sum']:.2f})")
             for pair_name, (make_base, make_vr, _) in chosen.items():
-                candidates = [
-                    Candidate("base", lambda: make_base(**extra), make_model, strategy, (x, batch[1])),
-                    Candidate("vr", lambda: make_vr(**extra), make_model, strategy, (x, batch[1])),
-                ]
+                factories = {"base": lambda: make_base(**extra), "vr": lambda: make_vr(**extra)}
                 if pair_name != "LARC":
-                    candidates.append(Candidate(
-                        "vr no-xla", lambda: make_vr(jit_update=False, **extra),
-                        make_model, strategy, (x, batch[1])))
+                    factories["vr no-xla"] = lambda: make_vr(jit_update=False, **extra)
                     if args.statistics:
-                        candidates.append(Candidate(
-                            "vr statistics", lambda: make_vr(track_gsnr_statistics=True, **extra),
-                            make_model, strategy, (x, batch[1])))
-                for kind in args.kinds:
-                    times = compare(candidates, kind, args.steps * calls_per_update, args.repeats,
-                                    warmup=2 * calls_per_update + 1)
-                    times = {k: v * calls_per_update for k, v in times.items()}
-                    line = (f"{pair_name:<9} {kind:<10} base {times['base'] * 1e3:8.2f} ms"
-                            f"  twin {times['vr'] * 1e3:8.2f} ms"
-                            f"  twin/base {times['vr'] / times['base']:5.2f}")
-                    if "vr no-xla" in times:
-                        line += f"  xla/no-xla {times['vr'] / times['vr no-xla']:5.2f}"
-                    if "vr statistics" in times:
-                        line += f"  statistics on/off {times['vr statistics'] / times['vr']:5.2f}"
+                        factories["vr statistics"] = lambda: make_vr(
+                            track_gsnr_statistics=True, **extra)
+                row = dict(setup=setup, model=model_name, parameters=params,
+                           variables=variables, replicas=copies, pair=pair_name)
+                if "first step" in args.kinds:
+                    seconds = first_step_times(factories, make_model, strategy, batch,
+                                               calls_per_update, args.first_step_rounds)
+                    rows.append({**row, "kind": "first step", "seconds": seconds})
+                    report(rows[-1])
+                steady = [kind for kind in args.kinds if kind != "first step"]
+                if not steady:
+                    continue
+                candidates = [Candidate(name, factory, make_model, strategy, batch)
+                              for name, factory in factories.items()]
+                for kind in steady:
+                    seconds = compare(candidates, kind, args.steps * calls_per_update,
+                                      args.repeats, warmup=2 * calls_per_update + 1)
+                    seconds = {k: v * calls_per_update for k, v in seconds.items()}
+                    rows.append({**row, "kind": kind, "seconds": seconds})
                     if kind == "update":
                         base_bytes, vr_bytes = _update_bytes(
                             pair_name, candidates[1].optimizer,
                             args.accumulation if extra else 0)
-                        achieved = {
-                            "base": copies * base_bytes * params / times["base"],
-                            "vr": copies * vr_bytes * params / times["vr"],
+                        rows[-1]["traffic"] = {
+                            "base": copies * base_bytes * params / seconds["base"] / bandwidth,
+                            "vr": copies * vr_bytes * params / seconds["vr"] / bandwidth,
                         }
-                        line += (f"  traffic/bandwidth base {achieved['base'] / bandwidth:5.1%}"
-                                 f" twin {achieved['vr'] / bandwidth:5.1%}")
-                    print(line, flush=True)
+                    report(rows[-1])
+                del candidates
+                gc.collect()
+    return rows
+
+
+def format_row(row):
+    """One printed line of a `measure` row (strings pass through)."""
+    if isinstance(row, str):
+        return row
+    seconds = row["seconds"]
+    unit, factor = ("s", 1.0) if row["kind"] == "first step" else ("ms", 1e3)
+    line = (f"{row['pair']:<9} {row['kind']:<10} base {seconds['base'] * factor:8.2f} {unit}"
+            f"  twin {seconds['vr'] * factor:8.2f} {unit}"
+            f"  twin/base {seconds['vr'] / seconds['base']:5.2f}")
+    if "vr no-xla" in seconds:
+        line += (f"  no-xla/base {seconds['vr no-xla'] / seconds['base']:5.2f}"
+                 f"  xla/no-xla {seconds['vr'] / seconds['vr no-xla']:5.2f}")
+    if "vr statistics" in seconds:
+        line += f"  statistics on/off {seconds['vr statistics'] / seconds['vr']:5.2f}"
+    if "traffic" in row:
+        line += (f"  traffic/bandwidth base {row['traffic']['base']:5.1%}"
+                 f" twin {row['traffic']['vr']:5.1%}")
+    return line
+
+
+def run(args, gpus):
+    """`measure`, printing each line as it is measured."""
+    return measure(args, gpus, report=lambda row: print(format_row(row), flush=True))

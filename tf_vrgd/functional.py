@@ -162,10 +162,11 @@ def gradient_moments(sum_of_gradients, sum_of_squares, replicas,
 
         gbar = S1 / A          s = R * S2 / A
 
-    This is the only place where that scaling is undone.
+    This is the only place where that scaling is undone. `replicas` and
+    `accumulation_steps` are Python numbers.
     """
     steps = float(accumulation_steps)
-    gradient_mean = sum_of_gradients / steps
+    gradient_mean = sum_of_gradients if steps == 1.0 else sum_of_gradients / steps
     second_moment = sum_of_squares * (float(replicas) / steps)
     return gradient_mean, second_moment
 
@@ -177,26 +178,26 @@ def raw_gsnr(gradient_mean, second_moment, epsilon):
     (the paper's eq. 7). The floor ``epsilon * s`` lies above float32
     cancellation noise in ``s - gbar^2``, so samples that agree to round-off
     get one and the same value, and caps the ratio near ``1 / epsilon``.
+
+    Where ``s > 0`` the floor is positive, so ``max(s - gbar^2, epsilon * s)``
+    is ``max(var, epsilon * s)``; where ``s == 0`` every sample is 0, the
+    denominator is 0 and `divide_no_nan` gives the 0 the rule asks for.
     """
-    variance = tf.maximum(second_moment - tf.square(gradient_mean), 0.0)
-    denominator = tf.maximum(variance, epsilon * second_moment)
-    positive = second_moment > 0.0
-    safe_denominator = tf.where(positive, denominator, 1.0)
-    return tf.where(positive, tf.square(gradient_mean) / safe_denominator, 0.0)
+    squared_mean = tf.square(gradient_mean)
+    denominator = tf.maximum(second_moment - squared_mean, epsilon * second_moment)
+    return tf.math.divide_no_nan(squared_mean, denominator)
 
 
 def normalized_clipped_gsnr(gsnr, gamma):
     """Divides by the layer (variable) mean and clips to [gamma, 1].
 
     Eq. 8 and 9 of the paper; where the layer mean is 0 (no signal at all)
-    the normalised ratio is 1 everywhere.
+    the normalised ratio is 1 everywhere: `divide_no_nan` gives 0 there, and
+    the lower clip is then 1 instead of gamma.
     """
     layer_mean = tf.reduce_mean(gsnr)
-    positive = layer_mean > 0.0
-    normalized = tf.where(
-        positive, gsnr / tf.where(positive, layer_mean, 1.0), tf.ones_like(gsnr)
-    )
-    return tf.clip_by_value(normalized, gamma, 1.0)
+    floor = tf.where(layer_mean > 0.0, tf.cast(gamma, tf.float32), 1.0)
+    return tf.clip_by_value(tf.math.divide_no_nan(gsnr, layer_mean), floor, 1.0)
 
 
 def gsnr_scale(gradient_mean, second_moment, gamma, epsilon):
@@ -204,6 +205,41 @@ def gsnr_scale(gradient_mean, second_moment, gamma, epsilon):
     return normalized_clipped_gsnr(
         raw_gsnr(gradient_mean, second_moment, epsilon), gamma
     )
+
+
+def segment_normalized_clipped_gsnr(gsnr, segment_ids, sizes, gamma):
+    """`normalized_clipped_gsnr` of several variables packed into one flat
+    vector: element i belongs to variable ``segment_ids[i]``, variable j has
+    ``sizes[j]`` elements (Python ints, in order).
+
+    The layer means are summed in float64, so that they do not depend on how
+    many elements a variable has beyond float32 round-off.
+
+    Returns:
+        ``(scale, layer_means)``: the flat factor in [gamma, 1] and the
+        float32 mean GSNR of each variable (0 for an empty one).
+    """
+    totals = tf.math.unsorted_segment_sum(
+        tf.cast(gsnr, tf.float64), segment_ids, num_segments=len(sizes)
+    )
+    counts = tf.constant([max(size, 1) for size in sizes], tf.float64)
+    layer_means = tf.cast(totals / counts, tf.float32)
+    floors = tf.where(layer_means > 0.0, tf.cast(gamma, tf.float32), 1.0)
+    normalized = tf.math.divide_no_nan(gsnr, tf.gather(layer_means, segment_ids))
+    return tf.clip_by_value(normalized, tf.gather(floors, segment_ids), 1.0), layer_means
+
+
+def segment_gsnr_statistics(layer_means, scale, segment_ids, sizes, gamma):
+    """`gsnr_statistics` of each variable of a packed vector (see
+    `segment_normalized_clipped_gsnr`): float32 ``[variables, 3]`` rows of
+    [mean raw GSNR, fraction at gamma, fraction at 1]; fractions are 0 for an
+    empty variable."""
+    counts = tf.constant([max(size, 1) for size in sizes], tf.float32)
+    bounds = tf.stack(
+        [tf.cast(scale <= gamma, tf.float32), tf.cast(scale >= 1.0, tf.float32)], axis=1
+    )
+    fractions = tf.math.unsorted_segment_sum(bounds, segment_ids, len(sizes)) / counts[:, None]
+    return tf.concat([layer_means[:, None], fractions], axis=1)
 
 
 def gsnr_statistics(gsnr, scale, gamma):
@@ -237,8 +273,13 @@ def gsnr_momentum(previous, gsnr, beta_3, step):
         ``(p_t, phat)``.
     """
     new = beta_3 * previous + (1.0 - beta_3) * gsnr
-    correction = 1.0 - tf.pow(tf.cast(beta_3, tf.float32), tf.cast(step, tf.float32))
-    return new, new / correction
+    return new, new / gsnr_momentum_correction(beta_3, step)
+
+
+def gsnr_momentum_correction(beta_3, step):
+    """The bias correction ``1 - beta_3^t`` of `gsnr_momentum`, a scalar
+    shared by every variable of an update."""
+    return 1.0 - tf.pow(tf.cast(beta_3, tf.float32), tf.cast(step, tf.float32))
 
 
 def adam_direction(m, v, gradient, beta_1, beta_2, epsilon, step):
