@@ -5,6 +5,7 @@ import glob
 import os
 
 import keras
+import tensorflow as tf
 import numpy as np
 import pytest
 
@@ -263,3 +264,107 @@ def test_paper_configs_carry_the_tables_values():
     cifar = config.load(os.path.join(ROOT, "configs/paper/cifar10_resnet56_vr_adam_8k.yaml"))
     lr = cifar["trainer"]["optimizer_config"]["learning_rate"]["cosine"]["initial_learning_rate"]
     assert lr == pytest.approx(192 / (2**-1 * 1e4))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "vr_sgd"])
+def test_schedules_count_updates_under_accumulation(kind):
+    # Stepwise rates 1, 2, 3, 4 after steps 1, 2, 3 (Keras' boundaries are
+    # inclusive). With A = 4 micro-steps per update, the update u must use
+    # the rate of step u, as the same optimizer without accumulation does.
+    fields = {"gradient_accumulation_steps": 4}
+    if kind == "vr_sgd":
+        fields["gamma"] = 1.0  # ghat = gbar: the weight moves by -rate
+    block = {"optimizer": {"type": kind, kind: fields},
+             "learning_rate": {"type": "stepwise",
+                               "stepwise": {"boundaries": [1, 2, 3], "values": [1.0, 2.0, 3.0, 4.0]}}}
+    optimizer = config.optimizer_from_config(block)
+    variable = keras.Variable(np.zeros((2,), np.float32), name="w")
+    rng = np.random.default_rng(36)
+    rates = []
+    for _ in range(5):
+        before = variable.numpy().copy()
+        # Gradients 1 +- noise, mean exactly 1 over the 4 micro-steps.
+        noise = rng.standard_normal((4, 2)).astype(np.float32) * 0.1
+        noise -= noise.mean(0)
+        for g in 1.0 + noise:
+            optimizer.apply([tf.constant(g)], [variable])
+        rates.append(float(np.mean(before - variable.numpy())))
+    np.testing.assert_allclose(rates, [1.0, 1.0, 2.0, 3.0, 4.0], rtol=1e-5)
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert isinstance(restored._learning_rate,
+                      tf_vrgd.schedules.PerUpdate)
+
+
+def test_empty_layer_adaptation_list_means_the_weight_decay_list():
+    # Model Garden's LAMB and LARS read `if exclude_from_layer_adaptation:`.
+    for kind in ("lamb", "vr_lamb", "lars", "vr_lars"):
+        block = {"optimizer": {"type": kind, kind: {"weight_decay_rate": 0.01,
+                                                     "exclude_from_weight_decay": ["bias"],
+                                                     "exclude_from_layer_adaptation": []}},
+                 "learning_rate": {"type": "constant"}}
+        optimizer = config.optimizer_from_config(block)
+        model = helpers.make_model()
+        optimizer.build(model.trainable_variables)
+        adapts = [optimizer._adapts[optimizer._get_variable_index(v)]
+                  for v in model.trainable_variables]
+        assert adapts == [True, False, True, False], kind
+
+
+def _block(optimizer=None, learning_rate=None, warmup=None):
+    block = {"optimizer": optimizer or {"type": "sgd"},
+             "learning_rate": learning_rate or {"type": "constant"}}
+    if warmup is not None:
+        block["warmup"] = warmup
+    return block
+
+
+def _polynomial(**fields):
+    return {"type": "polynomial", "polynomial": {"initial_learning_rate": 0.1,
+                                                  "decay_steps": 100, **fields}}
+
+
+@pytest.mark.parametrize("block,field", [
+    # Learning rates: negative, NaN, infinite, quoted.
+    (_block(learning_rate={"type": "constant", "constant": {"learning_rate": -0.1}}),
+     "learning_rate.constant.learning_rate"),
+    (_block(learning_rate=_polynomial(initial_learning_rate=float("nan"))),
+     "learning_rate.polynomial.initial_learning_rate"),
+    (_block(learning_rate=_polynomial(initial_learning_rate=float("inf"))),
+     "learning_rate.polynomial.initial_learning_rate"),
+    (_block(learning_rate=_polynomial(initial_learning_rate="0.1")),
+     "learning_rate.polynomial.initial_learning_rate"),
+    (_block(learning_rate={"type": "stepwise", "stepwise": {"boundaries": [10],
+                                                            "values": [0.1, -1.0]}}),
+     r"learning_rate.stepwise.values\[1\]"),
+    # Quoted booleans.
+    (_block(optimizer={"type": "adam", "adam": {"amsgrad": "false"}}), "optimizer.adam.amsgrad"),
+    (_block(optimizer={"type": "sgd", "sgd": {"nesterov": "false"}}), "optimizer.sgd.nesterov"),
+    (_block(learning_rate={"type": "exponential", "exponential": {
+        "initial_learning_rate": 0.1, "decay_steps": 10, "decay_rate": 0.5, "staircase": "false"}}),
+     "learning_rate.exponential.staircase"),
+    (_block(learning_rate=_polynomial(cycle="false")), "learning_rate.polynomial.cycle"),
+    # Step counts: strings, fractions, negatives, overflow.
+    (_block(learning_rate=_polynomial(decay_steps="1000")), "learning_rate.polynomial.decay_steps"),
+    (_block(learning_rate=_polynomial(decay_steps=10**30)), "learning_rate.polynomial.decay_steps"),
+    (_block(warmup={"type": "linear", "linear": {"warmup_steps": 0.5}}),
+     "warmup.linear.warmup_steps"),
+    (_block(warmup={"type": "linear", "linear": {"warmup_steps": 2.7}}),
+     "warmup.linear.warmup_steps"),
+    (_block(warmup={"type": "polynomial", "polynomial": {"warmup_steps": -5}}),
+     "warmup.polynomial.warmup_steps"),
+    (_block(warmup="linear"), "warmup"),
+    # Base types refuse what their VR twins refuse.
+    (_block(optimizer={"type": "adam", "adam": {"beta_1": 2.0}}), "optimizer.adam.beta_1"),
+    (_block(optimizer={"type": "sgd", "sgd": {"clipnorm": -1}}), "optimizer.sgd.clipnorm"),
+    (_block(optimizer={"type": "lamb", "lamb": {"gradient_accumulation_steps": 0}}),
+     "optimizer.lamb.gradient_accumulation_steps"),
+])
+def test_bad_fields_raise_naming_field_and_value(block, field):
+    with pytest.raises(ValueError, match=field):
+        config.optimizer_from_config(block)
+
+
+def test_missing_config_file_says_so(tmp_path):
+    for path in (str(tmp_path / "nothing.yaml"), tmp_path / "nothing.yaml", "configs/nothing/x"):
+        with pytest.raises(ValueError, match="does not exist"):
+            config.optimizer_from_config(path)

@@ -58,9 +58,26 @@ class GSNRMixin:
             "gsnr_epsilon", gsnr_epsilon, low=0.0, low_open=True
         )
         self.jit_update = _validation.check_bool("jit_update", jit_update)
-        self.track_gsnr_statistics = _validation.check_bool(
+        self._track_gsnr_statistics = _validation.check_bool(
             "track_gsnr_statistics", track_gsnr_statistics
         )
+
+    @property
+    def track_gsnr_statistics(self):
+        """Whether each update sums GSNR statistics (fixed once built)."""
+        return self._track_gsnr_statistics
+
+    @track_gsnr_statistics.setter
+    def track_gsnr_statistics(self, value):
+        value = _validation.check_bool("track_gsnr_statistics", value)
+        if self.built and value != self._track_gsnr_statistics:
+            raise ValueError(
+                f"{type(self).__name__}.track_gsnr_statistics cannot change once "
+                "the optimizer is built (its statistics slots are made, or not, "
+                "by `build`). Construct the optimizer with "
+                f"track_gsnr_statistics={value}."
+            )
+        self._track_gsnr_statistics = value
 
     def build(self, var_list):
         if self.built:
@@ -109,7 +126,7 @@ class GSNRMixin:
                     shape=v.shape if shape is None else shape,
                     dtype="float32",
                     trainable=False,
-                    name=f"{v.path.replace('/', '_')}_{name}",
+                    name=f"{variable_path(v).replace('/', '_')}_{name}",
                     **kwargs,
                 )
             if track:
@@ -147,7 +164,24 @@ class GSNRMixin:
             tf.cond(is_update_step, functools.partial(self._reset_accumulators, indices),
                     lambda: None)
         if self.use_ema:
+            # Keras' own order and cadence (once per `apply`, micro-steps
+            # included), so that the averages match the base optimizer's.
             self._update_model_variables_moving_average(self._trainable_variables)
+            if self.ema_overwrite_frequency:
+                # The overwrite updates every device's copy: cross-replica
+                # context, where (unlike in Keras' replica-context cond) the
+                # cond may hold it under MirroredStrategy.
+                replica_context.merge_call(self._overwrite_with_moving_average)
+
+    def _overwrite_with_moving_average(self, distribution):
+        del distribution  # Keras' method uses the optimizer's own.
+        tf.cond(
+            tf.equal((self.iterations + 1) % self.ema_overwrite_frequency, 0),
+            lambda: self._overwrite_model_variables_with_average_value(
+                self._trainable_variables
+            ),
+            lambda: None,
+        )
 
     def _accumulate(self, grads, indices):
         """Adds this micro-step's gradients and their squares to the
@@ -435,7 +469,7 @@ class GSNRMixin:
         if sums is None:
             return {}
         return {
-            variable.path: summarize_gsnr_sums(row)
+            variable_path(variable): summarize_gsnr_sums(row)
             for variable, row in zip(self._trainable_variables, sums)
         }
 
@@ -480,6 +514,13 @@ def summarize_gsnr_sums(row):
         "fraction_at_one": float(averages[2]),
         "updates": int(updates),
     }
+
+
+def variable_path(variable):
+    """A variable's path (Keras variables) or name (a plain `tf.Variable`,
+    without its ":0")."""
+    path = getattr(variable, "path", None)
+    return path if path is not None else variable.name.split(":")[0]
 
 
 def _tf_variable(variable):

@@ -45,10 +45,34 @@ def check_number(name, value, *, low=None, high=None, low_open=False,
     return value
 
 
-def check_learning_rate(value):
-    """A float learning rate must be >= 0; schedules and callables pass."""
+def check_learning_rate(value, name="learning_rate"):
+    """A float learning rate must be finite and >= 0; schedules and
+    callables pass."""
     if _is_number(value):
-        check_number("learning_rate", value, low=0.0)
+        check_number(name, value, low=0.0, high=float("inf"), high_open=True)
+    return value
+
+
+# The largest step count accepted: float64 (and so every schedule's
+# arithmetic) still counts every step exactly below it.
+MAX_STEPS = 2**53
+
+
+def check_integer(name, value, *, low=None, high=MAX_STEPS):
+    """Checks that `value` is a Python (or numpy) integer, not a bool or a
+    float with a fractional part silently dropped, in [low, high]."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(
+            f"`{name}` must be an integer. Received: {name}={value!r}"
+        )
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        low_text = "-inf" if low is None else str(low)
+        high_text = "inf" if high is None else str(high)
+        raise ValueError(
+            f"`{name}` must be an integer in [{low_text}, {high_text}]. "
+            f"Received: {name}={value!r}"
+        )
     return value
 
 

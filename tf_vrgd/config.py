@@ -31,12 +31,14 @@ a `yaml.SafeLoader` (no arbitrary objects).
 
 import dataclasses
 import inspect
+import math
 import os
 import re
 
 import keras
 import yaml
 
+from tf_vrgd import _validation
 from tf_vrgd import schedules
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 from tf_vrgd.lamb import LAMB
@@ -49,6 +51,8 @@ from tf_vrgd.vr_sgd import VRSGD
 
 # Model Garden's BaseOptimizerConfig fields, the same in Keras 3.
 _CLIP_FIELDS = {"clipnorm": None, "clipvalue": None, "global_clipnorm": None}
+# Keras base arguments every type takes besides Model Garden's fields.
+_KERAS_FIELDS = {"gradient_accumulation_steps": None}
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
@@ -92,8 +96,8 @@ class _Type:
 def _keras_kwargs(fields, extra):
     """Model Garden's base fields (which Keras takes as they are) and the
     Keras arguments `extra` (from the `ema` block)."""
-    return {**{k: fields[k] for k in ("name", *_CLIP_FIELDS) if fields.get(k) is not None},
-            **extra}
+    names = ("name", *_CLIP_FIELDS, *_KERAS_FIELDS)
+    return {**{k: fields[k] for k in names if fields.get(k) is not None}, **extra}
 
 
 def _without(fields, *names):
@@ -134,17 +138,17 @@ def _constructor_fields(cls, exclude=("learning_rate",)):
     }
 
 
-_SGD = {"name": "SGD", **_CLIP_FIELDS, "decay": 0.0, "nesterov": False, "momentum": 0.0}
-_ADAM = {"name": "Adam", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999,
+_SGD = {**_KERAS_FIELDS, "name": "SGD", **_CLIP_FIELDS, "decay": 0.0, "nesterov": False, "momentum": 0.0}
+_ADAM = {**_KERAS_FIELDS, "name": "Adam", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999,
          "epsilon": 1e-7, "amsgrad": False}
-_LAMB = {"name": "LAMB", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-6,
+_LAMB = {**_KERAS_FIELDS, "name": "LAMB", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-6,
          "weight_decay_rate": 0.0, "exclude_from_weight_decay": None,
          "exclude_from_layer_adaptation": None}
 # `eeta` (Model Garden's trust coefficient) defaults to 0.001 when unset.
-_LARS = {"name": "LARS", **_CLIP_FIELDS, "momentum": 0.9, "eeta": None,
+_LARS = {**_KERAS_FIELDS, "name": "LARS", **_CLIP_FIELDS, "momentum": 0.9, "eeta": None,
          "weight_decay_rate": 0.0, "nesterov": False, "classic_momentum": True,
          "exclude_from_weight_decay": None, "exclude_from_layer_adaptation": None}
-_ADAMW = {"name": "AdamWeightDecay", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999,
+_ADAMW = {**_KERAS_FIELDS, "name": "AdamWeightDecay", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999,
           "epsilon": 1e-7, "amsgrad": False, "weight_decay_rate": 0.0,
           "include_in_weight_decay": None, "exclude_from_weight_decay": None,
           "gradient_clip_norm": 1.0}
@@ -181,7 +185,8 @@ def _build_with(cls, translate=None):
     """A builder passing every field to `cls` (after `translate`)."""
     def build(lr, f, extra):
         f = translate(f) if translate else f
-        return cls(lr, **_without(f, "name", *_CLIP_FIELDS), **_keras_kwargs(f, extra))
+        return cls(lr, **_without(f, "name", *_CLIP_FIELDS, *_KERAS_FIELDS),
+                   **_keras_kwargs(f, extra))
 
     return build
 
@@ -254,8 +259,10 @@ def load(cfg):
     loader only)."""
     if isinstance(cfg, dict):
         return cfg
-    if isinstance(cfg, os.PathLike) or (isinstance(cfg, str) and "\n" not in cfg
-                                        and os.path.exists(cfg)):
+    if isinstance(cfg, os.PathLike) or (isinstance(cfg, str) and "\n" not in cfg and (
+            os.path.exists(cfg) or cfg.endswith((".yaml", ".yml")))):
+        if not os.path.isfile(cfg):
+            raise ValueError(f"The config file {os.fspath(cfg)!r} does not exist.")
         with open(cfg) as f:
             cfg = f.read()
     if not isinstance(cfg, str):
@@ -265,6 +272,8 @@ def load(cfg):
     except yaml.YAMLError as error:
         raise ValueError(f"Invalid YAML: {error}") from error
     if not isinstance(loaded, dict):
+        if isinstance(loaded, str) and " " not in loaded and os.sep in loaded:
+            raise ValueError(f"The config file {cfg!r} does not exist.")
         raise ValueError(f"The YAML does not hold a mapping. Received: {cfg[:200]!r}")
     return loaded
 
@@ -281,14 +290,81 @@ def optimization_block(cfg):
     return cfg
 
 
+def _number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
+    # Infinite bounds are open: no field takes an infinite value.
+    return lambda name, value: _validation.check_number(
+        name, value, low=low, high=high, low_open=low_open or low == -math.inf,
+        high_open=high_open or high == math.inf)
+
+
+def _integer(low):
+    return lambda name, value: _validation.check_integer(name, value, low=low)
+
+
+def _list_of(check):
+    def check_list(name, value):
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"`{name}` must be a non-empty list. Received: {name}={value!r}")
+        return [check(f"{name}[{i}]", item) for i, item in enumerate(value)]
+
+    return check_list
+
+
+def _string(name, value):
+    if not isinstance(value, str):
+        raise ValueError(f"`{name}` must be a string. Received: {name}={value!r}")
+    return value
+
+
+_RATE = _number(0.0)
+_UNIT_INTERVAL = _number(0.0, 1.0, high_open=True)
+_NON_NEGATIVE = _number(0.0)
+_POSITIVE = _number(0.0, low_open=True)
+# One check per field name, whichever block holds it: the same rule as the
+# constructors' (tf_vrgd._validation), applied when the block is read, so
+# that a bad value is named with its place in the block.
+FIELD_CHECKS = {
+    # learning rates and schedules
+    "learning_rate": _RATE, "initial_learning_rate": _RATE, "end_learning_rate": _RATE,
+    "warmup_learning_rate": _RATE, "values": _list_of(_RATE),
+    "decay_steps": _integer(1), "warmup_steps": _integer(0), "offset": _integer(0),
+    "boundaries": _list_of(_integer(0)), "decay_rate": _POSITIVE, "power": _number(),
+    "alpha": _number(0.0, 1.0), "staircase": _validation.check_bool,
+    "cycle": _validation.check_bool,
+    # optimizers
+    "name": _string, "momentum": _UNIT_INTERVAL, "nesterov": _validation.check_bool,
+    "beta_1": _UNIT_INTERVAL, "beta_2": _UNIT_INTERVAL, "epsilon": _NON_NEGATIVE,
+    "amsgrad": _validation.check_bool, "weight_decay_rate": _NON_NEGATIVE,
+    "weight_decay": _NON_NEGATIVE, "eeta": _POSITIVE, "trust_coefficient": _POSITIVE,
+    "classic_momentum": _validation.check_bool, "clip": _validation.check_bool,
+    "clipnorm": _POSITIVE, "clipvalue": _POSITIVE, "global_clipnorm": _POSITIVE,
+    "gradient_clip_norm": _NON_NEGATIVE, "gradient_accumulation_steps": _integer(1),
+    "exclude_from_weight_decay": _validation.check_regex_list,
+    "exclude_from_layer_adaptation": _validation.check_regex_list,
+    "include_in_weight_decay": _validation.check_regex_list,
+    "gamma": _number(0.0, 1.0, low_open=True), "beta_3": _UNIT_INTERVAL,
+    "gsnr_epsilon": _POSITIVE, "jit_update": _validation.check_bool,
+    "track_gsnr_statistics": _validation.check_bool, "decay": _NON_NEGATIVE,
+    # ema
+    "average_decay": _number(0.0, 1.0), "dynamic_decay": _validation.check_bool,
+    "trainable_weights_only": _validation.check_bool, "start_step": _integer(0),
+}
+
+
 def _fields(what, given, accepted):
-    """`accepted` (defaults) updated with `given`; unknown fields raise."""
+    """`accepted` (defaults) updated with `given`; unknown fields raise, and
+    each given value is checked (`FIELD_CHECKS`, `None` meaning unset)."""
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(f"`{what}` must be a mapping of fields. Received: {given!r}")
     given = dict(given or {})
     unknown = sorted(set(given) - set(accepted))
     if unknown:
         raise ValueError(
             f"Unknown field(s) {unknown} in {what}. Accepted: {sorted(accepted)}"
         )
+    for name, value in given.items():
+        if value is not None and name in FIELD_CHECKS:
+            given[name] = FIELD_CHECKS[name](f"{what}.{name}", value)
     return {**accepted, **given}
 
 
@@ -332,6 +408,12 @@ def learning_rate_from_config(block):
         schedule = schedules.Constant(f["learning_rate"])
     elif kind == "stepwise":
         _required(what, f, "boundaries", "values")
+        if len(f["values"]) != len(f["boundaries"]) + 1 or any(
+                b >= c for b, c in zip(f["boundaries"], f["boundaries"][1:])):
+            raise ValueError(
+                f"{what} needs increasing `boundaries` and one more value than "
+                f"boundaries. Received: boundaries={f['boundaries']}, values={f['values']}"
+            )
         schedule = S.PiecewiseConstantDecay(list(f["boundaries"]), list(f["values"]))
     elif kind == "exponential":
         _required(what, f, "initial_learning_rate", "decay_steps", "decay_rate")
@@ -348,6 +430,11 @@ def learning_rate_from_config(block):
         schedule = schedules.Offset(schedule, f["offset"])
 
     warmup = block.get("warmup")
+    if warmup is not None and not isinstance(warmup, dict):
+        raise ValueError(
+            "`warmup` must be a mapping such as {type: linear, linear: {warmup_steps: "
+            f"1000}}. Received: warmup={warmup!r}"
+        )
     if warmup is not None and warmup.get("type") is not None:
         kind, given = _one_of("warmup", warmup, WARMUP_TYPES)
         w = _fields(f"warmup.{kind}", given, WARMUP_TYPES[kind])
@@ -395,6 +482,14 @@ def _optimizer(block_name, cfg, learning_rate, extra):
     if "eeta" in given and "trust_coefficient" in given:
         raise ValueError(f"{what}: give `eeta` or `trust_coefficient`, not both.")
     f = _fields(what, given, OPTIMIZER_TYPES[kind].fields)
+    if "exclude_from_layer_adaptation" in f and not f["exclude_from_layer_adaptation"]:
+        # Model Garden: `if exclude_from_layer_adaptation:` else the
+        # weight-decay list, so an empty list means that list too.
+        f["exclude_from_layer_adaptation"] = None
+    accumulation_steps = f.get("gradient_accumulation_steps")
+    if accumulation_steps and accumulation_steps > 1:
+        # The block's step counts are updates (see schedules.PerUpdate).
+        learning_rate = schedules.PerUpdate(learning_rate, accumulation_steps)
     return OPTIMIZER_TYPES[kind].build(learning_rate, f, extra)
 
 

@@ -51,7 +51,8 @@ class LARC(keras.optimizers.Optimizer):
         weight_decay: Float >= 0, Apex's coupled decay `d`. Defaults to 0.0.
             To avoid decaying twice, give the wrapped optimizer no
             `weight_decay` of its own.
-        name: String. Defaults to "larc".
+        name: String. Defaults to "larc", numbered like Keras' optimizers
+            ("larc_1", ...).
     """
 
     def __init__(
@@ -88,7 +89,7 @@ class LARC(keras.optimizers.Optimizer):
         weight_decay = _validation.check_number(
             "weight_decay", weight_decay, low=0.0
         )
-        super().__init__(learning_rate=0.0, name=name or "larc")
+        super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.trust_coefficient = trust_coefficient
         self.clip = clip
@@ -166,14 +167,15 @@ class LARC(keras.optimizers.Optimizer):
     def iterations(self):
         return self.inner_optimizer.iterations
 
-    # The state is the inner optimizer's, which Keras' saving visits and
-    # stores under its own path ("optimizer/inner_optimizer"); storing it
-    # here too would double the optimizer state in every saved file.
-    def save_own_variables(self, store):
-        pass
-
-    def load_own_variables(self, store):
-        pass
+    # The state is the inner optimizer's. Keras' `save_own_variables`,
+    # `load_own_variables` and `get_weights` act on `variables`, so they save
+    # and restore it; `set_weights` is rewritten below because Keras' walks
+    # the optimizer's own (unused) counter instead. Like Keras'
+    # LossScaleOptimizer, a `.keras` file then holds the inner state twice:
+    # under LARC and under its inner optimizer, both restored to the same
+    # values.
+    def set_weights(self, weights):
+        self.inner_optimizer.set_weights(weights)
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)

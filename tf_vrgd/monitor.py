@@ -103,19 +103,22 @@ class GSNRMonitor(keras.callbacks.Callback):
     def statistics_logs(self, sums):
         """Log entries from a ``[variables, 4]`` array of running sums."""
         variables = self._optimizer._trainable_variables
-        sizes = np.array([max(int(np.prod(v.shape)), 1) for v in variables], np.float64)
+        # Model-wide figures weight each variable by its elements; empty
+        # variables have no elements and take no part.
+        sizes = np.array([int(np.prod(v.shape)) for v in variables], np.float64)
         entries = {}
         updates = sums[:, 3].astype(np.float64)
+        nonempty = sizes > 0
         with np.errstate(invalid="ignore", divide="ignore"):
-            averages = sums[:, :3] / updates[:, None]
-            overall = (averages * sizes[:, None]).sum(axis=0) / sizes.sum()
+            averages = sums[nonempty, :3] / updates[nonempty, None]
+            overall = (averages * sizes[nonempty, None]).sum(axis=0) / sizes.sum()
         for column, (_, key) in enumerate(_STATISTICS):
             entries[key] = float(overall[column])
         if self.per_variable:
             for variable, row in zip(variables, sums):
                 summary = _gsnr.summarize_gsnr_sums(row)
                 for name, key in _STATISTICS:
-                    entries[f"{key}/{variable.path}"] = summary[name]
+                    entries[f"{key}/{_gsnr.variable_path(variable)}"] = summary[name]
         return entries
 
     def get_config(self):

@@ -74,6 +74,40 @@ class Offset(LearningRateSchedule):
         }
 
 
+@keras.saving.register_keras_serializable(package="tf_vrgd")
+class PerUpdate(LearningRateSchedule):
+    """``schedule(step // accumulation_steps)``: a schedule whose steps count
+    optimizer updates, under gradient accumulation.
+
+    Keras evaluates an optimizer's schedule at its micro-step counter, so
+    with `gradient_accumulation_steps = A` a schedule would run A times too
+    fast in updates. Wrapped, the update that ends micro-steps
+    ``uA .. uA + A - 1`` sees step ``u``, the step the same optimizer without
+    accumulation sees at its update ``u`` (Model Garden counts steps in
+    updates too).
+    """
+
+    def __init__(self, schedule, accumulation_steps, name="PerUpdate"):
+        self.schedule = _schedule_or_float(schedule)
+        self.accumulation_steps = int(accumulation_steps)
+        if self.accumulation_steps < 1:
+            raise ValueError(
+                "`accumulation_steps` must be an integer >= 1. Received: "
+                f"accumulation_steps={accumulation_steps!r}"
+            )
+        self.name = name
+
+    def __call__(self, step):
+        return self.schedule(tf.math.floordiv(tf.cast(step, tf.int64), self.accumulation_steps))
+
+    def get_config(self):
+        return {
+            "schedule": _serialize_schedule_or_float(self.schedule),
+            "accumulation_steps": self.accumulation_steps,
+            "name": self.name,
+        }
+
+
 class _Warmup(LearningRateSchedule):
     def __init__(self, after_warmup, warmup_steps, name):
         self.after_warmup = _schedule_or_float(after_warmup)

@@ -1,0 +1,139 @@
+"""VR optimizers and LARC as ordinary Keras optimizers: Keras' own options
+(EMA, plain `tf.Variable`s, empty variables, attribute changes) behave as
+they do on Keras' optimizers."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_vrgd
+from tests import helpers
+from tests import references as ref
+
+EMA = dict(use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=1)
+
+
+def _shapes():
+    return [w.shape for w in helpers.make_model().get_weights()]
+
+
+def test_ema_overwrite_on_one_device_matches_keras_adam():
+    # gamma = 1, beta_3 = 0: VR-Adam is Adam, so the EMA overwrites must be too.
+    stream = helpers.gradient_stream(_shapes(), 6, seed=31)
+    results = []
+    for optimizer in (keras.optimizers.Adam(0.05, gradient_accumulation_steps=2, **EMA),
+                      tf_vrgd.VRAdam(0.05, gamma=1.0, beta_3=0.0,
+                                     gradient_accumulation_steps=2, **EMA)):
+        model = helpers.make_model()
+        helpers.apply_stream(optimizer, model.trainable_variables, stream, compiled=True)
+        results.append(model.get_weights())
+    for got, expected in zip(results[1], results[0]):
+        ref.assert_close(got, expected, "VRAdam EMA overwrite vs Adam", rtol=1e-5)
+
+
+def test_ema_overwrite_under_mirrored_strategy_matches_keras_adam(strategy):
+    # Keras' own Adam cannot overwrite under MirroredStrategy (its cond holds
+    # a merge_call), so the reference is Keras Adam on one device applying
+    # the replicas' mean gradient, which is what VR-Adam at gamma = 1 applies.
+    stream = helpers.gradient_stream(_shapes(), 3, replicas=4, seed=32)
+    model = helpers.make_model()
+    mean = [[[g.astype(np.float32) for g in step]] for step in helpers.mean_over_replicas(stream)]
+    helpers.apply_stream(keras.optimizers.Adam(0.05, **EMA), model.trainable_variables, mean,
+                         compiled=True)
+    _, vr, _ = helpers.run_mirrored(
+        strategy, lambda: tf_vrgd.VRAdam(0.05, gamma=1.0, beta_3=0.0, **EMA), stream)
+    for got, expected in zip(vr, model.get_weights()):
+        ref.assert_close(got, expected, "VRAdam EMA overwrite vs Adam (4 replicas)", rtol=1e-5)
+
+
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_plain_tf_variables_train_like_keras_variables(strategy, accumulation):
+    # Every VR slot kind: GSNR momentum, accumulators (with accumulation) and
+    # statistics. Keras' optimizers accept plain tf.Variables; so must these.
+    initial = helpers.make_model().get_weights()
+    replicas = 1 if accumulation else 4
+    stream = helpers.gradient_stream(_shapes(), 4, replicas=replicas, seed=33)
+    results = []
+    for plain in (False, True):
+        scope = strategy.scope() if replicas > 1 else tf.distribute.get_strategy().scope()
+        with scope:
+            variables = ([tf.Variable(w, name=f"w{i}") for i, w in enumerate(initial)] if plain
+                         else [keras.Variable(w, name=f"w{i}") for i, w in enumerate(initial)])
+            optimizer = tf_vrgd.VRAdam(0.05, beta_3=0.9, gradient_accumulation_steps=accumulation,
+                                       track_gsnr_statistics=True)
+        if replicas > 1:
+            helpers.apply_stream_mirrored(strategy, optimizer, variables, stream)
+        else:
+            helpers.apply_stream(optimizer, variables, stream, compiled=True)
+        results.append([np.array(v.numpy()) for v in variables])
+        statistics = optimizer.gsnr_statistics()
+        assert sorted(statistics) == [f"w{i}" for i in range(4)]
+        assert all(s["updates"] == 4 // (accumulation or 1) for s in statistics.values())
+    for got, expected in zip(*results[::-1]):
+        ref.assert_close(got, expected, "VRAdam on tf.Variable vs keras.Variable", rtol=1e-6)
+
+
+def test_zero_size_variable_with_accumulation_and_statistics():
+    # Keras Adam accepts an empty variable under accumulation; so must the
+    # VR update, and the empty variable must not turn the model-wide
+    # statistics into NaN.
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    empty = keras.Variable(np.zeros((0,), np.float32), name="empty")
+    variables = model.trainable_variables + [empty]
+    optimizer = tf_vrgd.VRAdam(0.05, gradient_accumulation_steps=2, track_gsnr_statistics=True)
+    stream = helpers.gradient_stream([(3, 2), (2,), (0,)], 4, seed=34)
+    helpers.apply_stream(optimizer, variables, stream, compiled=True)
+    assert int(optimizer.iterations.numpy()) == 2
+    assert all(np.all(np.isfinite(v.numpy())) for v in variables)
+    model.compile(optimizer=optimizer, loss="mse")
+    monitor = tf_vrgd.GSNRMonitor()
+    monitor.set_model(model)
+    monitor.on_train_begin()
+    logs = monitor.statistics_logs(optimizer.gsnr_statistic_sums())
+    for key in ("gsnr_mean", "gsnr_at_gamma", "gsnr_at_one"):
+        assert np.isfinite(logs[key]), key
+    expected = [optimizer.gsnr_statistics()[v.path]["mean_gsnr"] for v in model.trainable_variables]
+    np.testing.assert_allclose(logs["gsnr_mean"], (6 * expected[0] + 2 * expected[1]) / 8, rtol=1e-6)
+
+
+def test_changing_statistics_tracking_after_build_is_refused():
+    model = helpers.make_model()
+    optimizer = tf_vrgd.VRSGD(gradient_accumulation_steps=2)
+    optimizer.track_gsnr_statistics = True  # before build: allowed
+    optimizer.build(model.trainable_variables)
+    assert optimizer.gsnr_statistics()
+    with pytest.raises(ValueError, match="track_gsnr_statistics cannot change once"):
+        optimizer.track_gsnr_statistics = False
+    with pytest.raises(ValueError, match="track_gsnr_statistics"):
+        optimizer.track_gsnr_statistics = "yes"
+
+
+def test_larc_weights_and_saved_variables_are_the_inner_state():
+    model = helpers.make_model()
+    larc = tf_vrgd.LARC(keras.optimizers.SGD(0.1, momentum=0.9))
+    stream = helpers.gradient_stream(_shapes(), 2, seed=35)
+    helpers.apply_stream(larc, model.trainable_variables, stream)
+    inner = larc.inner_optimizer
+    assert [v.path for v in larc.variables] == [v.path for v in inner.variables]
+    weights = [v.numpy() for v in larc.variables]
+    assert len(weights) == len(inner.variables) and int(weights[0]) == 2  # iterations
+    changed = [w + 1 for w in weights]
+    larc.set_weights(changed)
+    for got, expected in zip([v.numpy() for v in inner.variables], changed):
+        np.testing.assert_array_equal(got, expected)
+    store = {}
+    larc.save_own_variables(store)
+    assert len(store) == len(changed)
+    other = tf_vrgd.LARC(keras.optimizers.SGD(0.1, momentum=0.9))
+    other.build(helpers.make_model().trainable_variables)
+    other.load_own_variables(store)
+    for got, expected in zip([v.numpy() for v in other.inner_optimizer.variables], changed):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_larc_names_are_numbered_like_keras_optimizers():
+    names = [tf_vrgd.LARC(keras.optimizers.SGD()).name for _ in range(2)]
+    assert names == ["larc", "larc_1"]
+    assert tf_vrgd.LARC(keras.optimizers.SGD(), name="outer").name == "outer"
