@@ -137,3 +137,42 @@ def test_larc_names_are_numbered_like_keras_optimizers():
     names = [tf_vrgd.LARC(keras.optimizers.SGD()).name for _ in range(2)]
     assert names == ["larc", "larc_1"]
     assert tf_vrgd.LARC(keras.optimizers.SGD(), name="outer").name == "outer"
+
+
+@pytest.mark.parametrize("fmt", ["checkpoint", "keras"])
+def test_mid_accumulation_state_restores_under_another_replica_count(strategy, tmp_path, fmt):
+    # One micro-step of two on 4 replicas, saved, restored on one device,
+    # then the update's micro-step there: the update is VR-SGD on the 5
+    # samples actually taken (the sums hold samples, not 1/R-scaled ones).
+    shapes = _shapes()
+    first = helpers.gradient_stream(shapes, 1, replicas=4, seed=37)
+    with strategy.scope():
+        model = helpers.make_model()
+        optimizer = tf_vrgd.VRSGD(0.5, gradient_accumulation_steps=2)
+        model.compile(optimizer=optimizer, loss="mse")
+    initial = model.get_weights()
+    helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, first)
+    if fmt == "checkpoint":
+        path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
+        restored = helpers.make_model()
+        restored_optimizer = tf_vrgd.VRSGD(0.5, gradient_accumulation_steps=2)
+        restored_optimizer.build(restored.trainable_variables)
+        tf.train.Checkpoint(model=restored, optimizer=restored_optimizer).restore(
+            path).assert_existing_objects_matched()
+    else:
+        model.save(tmp_path / "model.keras")
+        restored = keras.models.load_model(tmp_path / "model.keras")
+        restored_optimizer = restored.optimizer
+    assert float(restored_optimizer._accumulated_samples.numpy()) == 4.0
+    last = helpers.gradient_stream(shapes, 1, seed=38)
+    helpers.apply_stream(restored_optimizer, restored.trainable_variables, last, compiled=True)
+
+    def sgd(i, w, g, slots, t):
+        w, m = ref.keras_sgd_step(w, g, slots[0], 0.5, 0.0)
+        return w, [m]
+
+    samples = [np.stack([first[0][r][i] for r in range(4)] + [last[0][0][i]]).astype(np.float64)
+               for i in range(len(shapes))]
+    expected = ref.VRReference(initial, sgd, 1, 0.1, 0.0).update(samples)
+    for got, want in zip(restored.get_weights(), expected):
+        ref.assert_close(got, want, f"VRSGD resumed mid-accumulation ({fmt})", rtol=1e-5)

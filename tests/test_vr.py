@@ -254,14 +254,17 @@ def test_accumulators_hold_each_replicas_own_sums(strategy):
             sums = strategy.experimental_local_results(optimizer._accumulated_gradients[i].value)
             squares = strategy.experimental_local_results(optimizer._accumulated_squares[i].value)
             for r in range(4):
-                g = stream[0][r][i].astype(np.float64) / 4  # the helper's 1/R loss scaling
+                g = stream[0][r][i].astype(np.float64)  # the sample, 1/R scaling undone
                 np.testing.assert_allclose(sums[r].numpy(), g, rtol=1e-6)
                 np.testing.assert_allclose(squares[r].numpy(), g * g, rtol=1e-5)
+        counts = strategy.experimental_local_results(optimizer._accumulated_samples.value)
+        assert [float(c.numpy()) for c in counts] == [1.0] * 4
     # The update's micro-step leaves every replica's sums at zero.
     optimizer, model, stream = runs[0]
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[1:])
     assert int(optimizer.iterations.numpy()) == 1
-    for slot in optimizer._accumulated_gradients + optimizer._accumulated_squares:
+    for slot in optimizer._accumulated_gradients + optimizer._accumulated_squares + [
+            optimizer._accumulated_samples]:
         for value in strategy.experimental_local_results(slot.value):
             assert not np.any(value.numpy())
 

@@ -154,9 +154,10 @@ def test_state_is_base_plus_gsnr_momentum_plus_squares(name, accumulation):
         int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables
     )
     slots = BASE_SLOTS[name] + (optimizer.beta_3 > 0)
+    scalars = 8 + 4  # int64 iteration, float32 learning rate
     if accumulation:
         slots += 2  # Keras' gradient accumulator and the squares
-    scalars = 8 + 4  # int64 iteration, float32 learning rate
+        scalars += 4  # the float32 sample count
     assert state == 4 * slots * parameters + scalars, (state, slots, parameters)
 
 

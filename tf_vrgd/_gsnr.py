@@ -96,15 +96,22 @@ class GSNRMixin:
             float32_slots("gsnr_momentum") if self.beta_3 > 0 else [None] * len(var_list)
         )
         if self.gradient_accumulation_steps:
-            # Each replica accumulates its own micro-steps. On-read SUM
-            # variables keep one value per replica, and checkpoints and
-            # `model.save` store their cross-replica sum (restored as sum / R
-            # per replica): the totals, which are all an update needs.
+            # Each replica accumulates its own micro-steps: the samples g_d
+            # (Keras' 1/R loss scaling undone), their squares, and their
+            # count. On-read SUM variables keep one value per replica, and
+            # checkpoints and `model.save` store their cross-replica sum
+            # (restored as sum / R per replica): totals in units that do not
+            # depend on R, so a restore under another replica count resumes
+            # into the mean over the samples actually taken.
             on_read = dict(synchronization="on_read", aggregation="sum")
             self._accumulated_gradients = float32_slots("gradient_accumulator", **on_read)
             self._accumulated_squares = float32_slots(
                 "squared_gradient_accumulator", **on_read
             )
+            with keras.name_scope(self.name, caller=self):
+                self._accumulated_samples = keras.Variable(
+                    initializer="zeros", shape=(), dtype="float32", trainable=False,
+                    name="gsnr_sample_count", **on_read)  # tracked on assignment
         else:
             self._accumulated_squares = None
         # Diagnostics, not state: kept out of `variables` and checkpoints.
@@ -151,12 +158,12 @@ class GSNRMixin:
         indices = [self._get_variable_index(v) for v in trainable_variables]
         if self.gradient_accumulation_steps:
             is_update_step = self._is_update_step()
-            sums, squares = self._accumulate(grads, indices)
+            sums, squares, samples = self._accumulate(grads, indices)
         else:
-            sums, squares = grads, [tf.square(g) for g in grads]
+            sums, squares, samples = grads, [tf.square(g) for g in grads], None
         replica_context.merge_call(
             self._cross_replica_update,
-            args=(sums, squares, list(trainable_variables), indices),
+            args=(sums, squares, samples, list(trainable_variables), indices),
         )
         if self.gradient_accumulation_steps:
             # After the update has read the sums (reads are ordered before
@@ -194,11 +201,12 @@ class GSNRMixin:
         self._moment_accumulation(tuple(indices))(grads)
         sums = [self._accumulated_gradients[i].value.read_value() for i in indices]
         squares = [self._accumulated_squares[i].value.read_value() for i in indices]
-        return sums, squares
+        return sums, squares, self._accumulated_samples.value.read_value()
 
     def _moment_accumulation(self, indices):
-        """``sum += g; squares += g^2`` for the variables at `indices`, made
-        once per set of variables like `_variable_update`.
+        """``sum += g_d; squares += g_d^2; samples += 1`` for the variables
+        at `indices`, with ``g_d = R * g`` (Keras scales a replica's loss by
+        1/R), made once per set of variables like `_device_update`.
 
         The slots are captured, not passed: a captured on-read slot is this
         replica's copy, and a trace is made per replica device. (Passed as
@@ -210,11 +218,15 @@ class GSNRMixin:
             return self._moment_accumulations[indices]
         sum_slots = [self._accumulated_gradients[i] for i in indices]
         square_slots = [self._accumulated_squares[i] for i in indices]
+        samples = self._accumulated_samples
 
         def accumulate(grads):
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
             for gradient, sum_slot, square_slot in zip(grads, sum_slots, square_slots):
-                sum_slot.assign_add(gradient)
-                square_slot.assign_add(tf.square(gradient))
+                sample = gradient * float(replicas) if replicas > 1 else gradient
+                sum_slot.assign_add(sample)
+                square_slot.assign_add(tf.square(sample))
+            samples.assign_add(1.0)
 
         if self.jit_update:
             accumulate = tf.function(accumulate, jit_compile=True)
@@ -225,6 +237,7 @@ class GSNRMixin:
         for index in indices:
             for slot in (self._accumulated_gradients[index], self._accumulated_squares[index]):
                 slot.assign(tf.zeros(slot.shape, slot.dtype))
+        self._accumulated_samples.assign(0.0)
 
     def _check_sample_count(self, replicas):
         steps = self.gradient_accumulation_steps or 1
@@ -246,16 +259,18 @@ class GSNRMixin:
         # update, so replica and cross-replica code read the same value.
         return tf.equal((self._iterations + 1) % self.gradient_accumulation_steps, 0)
 
-    def _cross_replica_update(self, distribution, sums, squares, variables, indices):
+    def _cross_replica_update(self, distribution, sums, squares, samples, variables, indices):
         tf_variables = [_tf_variable(v) for v in variables]
 
         def update():
-            # One collective for both sums of every variable.
-            reduced = distribution.extended.batch_reduce_to(
-                tf.distribute.ReduceOp.SUM,
-                list(zip(sums + squares, tf_variables + tf_variables)),
-            )
+            # One collective for both sums of every variable (and, with
+            # accumulation, the sample count).
+            values = list(zip(sums + squares, tf_variables + tf_variables))
+            if samples is not None:
+                values.append((samples, tf_variables[0]))
+            reduced = distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, values)
             count = len(tf_variables)
+            sample_count = reduced[2 * count] if samples is not None else None
             learning_rate = tf.convert_to_tensor(self.learning_rate)
             step = tf.cast(self.iterations + 1, tf.float32)
             # `fn` runs once per device holding the variables, inside that
@@ -264,8 +279,8 @@ class GSNRMixin:
             distribution.extended.update_non_slot(
                 distribution.extended.non_slot_devices(tf_variables),
                 self._device_update(tuple(indices)),
-                args=(reduced[:count], reduced[count:], learning_rate, step,
-                      distribution.num_replicas_in_sync),
+                args=(reduced[:count], reduced[count:2 * count], sample_count, learning_rate,
+                      step, distribution.num_replicas_in_sync),
                 group=False,
             )
 
@@ -301,21 +316,21 @@ class GSNRMixin:
         packed = [j for j, size in enumerate(sizes) if size <= PACKED_MAX_ELEMENTS]
         fused_updates = [self._variable_update(indices[j]) for j in fused]
 
-        def fused_update(sums, squares, learning_rate, step, replicas):
+        def fused_update(sums, squares, samples, learning_rate, step, replicas):
             hyper = self._shared_scalars(step)
             for update, sum_of_gradients, sum_of_squares in zip(fused_updates, sums, squares):
-                update(sum_of_gradients, sum_of_squares, learning_rate, hyper, replicas)
+                update(sum_of_gradients, sum_of_squares, samples, learning_rate, hyper, replicas)
 
         if self.jit_update:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
         packed_update = self._packed_update([indices[j] for j in packed])
 
-        def device_update(sums, squares, learning_rate, step, replicas):
+        def device_update(sums, squares, samples, learning_rate, step, replicas):
             if fused:
-                fused_update([sums[j] for j in fused], [squares[j] for j in fused],
+                fused_update([sums[j] for j in fused], [squares[j] for j in fused], samples,
                              learning_rate, step, replicas)
             if packed:
-                packed_update([sums[j] for j in packed], [squares[j] for j in packed],
+                packed_update([sums[j] for j in packed], [squares[j] for j in packed], samples,
                               learning_rate, step, replicas)
 
         # The compiled program, whose traces the tests count.
@@ -353,17 +368,15 @@ class GSNRMixin:
         statistics_slots = [self._gsnr_monitor.value[i] for i in indices]
         sizes = [v.shape.num_elements() for v in variables]
         segment_ids = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-        accumulation_steps = self.gradient_accumulation_steps or 1
 
         def flatten(tensors):
             return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
 
-        def packed_update(sums, squares, learning_rate, step, replicas):
+        def packed_update(sums, squares, samples, learning_rate, step, replicas):
             hyper = self._shared_scalars(step)
             segments = tf.constant(segment_ids)
-            gradient_mean, second_moment = functional.gradient_moments(
-                flatten(sums), flatten(squares), replicas, accumulation_steps
-            )
+            gradient_mean, second_moment = _moments(
+                flatten(sums), flatten(squares), samples, replicas)
             gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
             scale, layer_means = functional.segment_normalized_clipped_gsnr(
                 gsnr, segments, sizes, hyper["gamma"]
@@ -401,12 +414,10 @@ class GSNRMixin:
         decays = bool(self.weight_decay) and self._use_weight_decay(keras_variable)
         gsnr_momentum_slot = self._gsnr_momentums[index]
         statistics_slot = self._gsnr_monitor.value[index]
-        accumulation_steps = self.gradient_accumulation_steps or 1
 
-        def vr_update(sum_of_gradients, sum_of_squares, learning_rate, hyper, replicas):
-            gradient_mean, second_moment = functional.gradient_moments(
-                sum_of_gradients, sum_of_squares, replicas, accumulation_steps
-            )
+        def vr_update(sum_of_gradients, sum_of_squares, samples, learning_rate, hyper, replicas):
+            gradient_mean, second_moment = _moments(
+                sum_of_gradients, sum_of_squares, samples, replicas)
             gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
             scale = functional.normalized_clipped_gsnr(gsnr, hyper["gamma"])
             if statistics_slot is not None:
@@ -514,6 +525,15 @@ def summarize_gsnr_sums(row):
         "fraction_at_one": float(averages[2]),
         "updates": int(updates),
     }
+
+
+def _moments(sum_of_gradients, sum_of_squares, samples, replicas):
+    """``(gbar, s)``: from Keras-scaled replica gradients when `samples` is
+    None (no accumulation), else from the accumulated samples and their
+    count."""
+    if samples is None:
+        return functional.gradient_moments(sum_of_gradients, sum_of_squares, replicas, 1)
+    return functional.sample_moments(sum_of_gradients, sum_of_squares, samples)
 
 
 def variable_path(variable):

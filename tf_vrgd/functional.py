@@ -171,6 +171,12 @@ def gradient_moments(sum_of_gradients, sum_of_squares, replicas,
     return gradient_mean, second_moment
 
 
+def sample_moments(sum_of_samples, sum_of_squares, count):
+    """Mean and second moment ``(S1 / n, S2 / n)`` of n gradient samples
+    from their sums (accumulated samples, Keras' 1/R scaling undone)."""
+    return sum_of_samples / count, sum_of_squares / count
+
+
 def raw_gsnr(gradient_mean, second_moment, epsilon):
     """Element-wise GSNR ``gbar^2 / max(var, epsilon * s)``, 0 where s == 0.
 
