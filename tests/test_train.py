@@ -10,6 +10,7 @@ same tensorflow-datasets path as the real files.
 import gzip
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -63,6 +64,23 @@ def test_load_decodes_and_verifies_through_tfds(fashion):
     # The bands were written per class: the decoded images carry them.
     assert np.all(x[y == 3][:, 12, 10, 0] >= 200)
     assert os.path.exists(os.path.join(fashion[1], "fashion_mnist", "3.0.1", "fashion_mnist_arrays.npz"))
+
+
+def test_truncated_file_is_named_and_leaves_nothing_prepared(fashion, tmp_path):
+    idx = tmp_path / "idx"
+    shutil.copytree(fashion[0], idx)
+    path = idx / "train-images-idx3-ubyte.gz"
+    with gzip.open(path, "rb") as f:
+        content = f.read()
+    with gzip.open(path, "wb") as f:  # a valid gzip whose IDX payload is cut short
+        f.write(content[:16 + 99984])
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match="train-images-idx3-ubyte.gz.*truncated"):
+        data.load(str(idx), str(cache))
+    # Nothing that a later run with good files would trip on.
+    assert not (cache / "fashion_mnist" / "3.0.1").exists()
+    checksums = cache / "fashion_mnist_local_checksums.tsv"
+    assert not checksums.exists() or "train-images" not in checksums.read_text()
 
 
 def test_missing_files_say_how_to_get_them(tmp_path):
@@ -180,3 +198,60 @@ def test_overrides_rescale_the_schedule_and_the_rate():
         train.parse_args(["--config", path, "--output", "x", "--epochs", "0"])
     with pytest.raises(ValueError, match="does not split over 3 replicas"):
         train.Experiment(cfg, train.parse_args(["--config", path, "--output", "x", "--replicas", "3"]))
+
+
+def _experiment(argv):
+    from tf_vrgd import config, train
+
+    args = train.parse_args(argv)
+    return train.Experiment(config.load(args.config), args), args
+
+
+def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
+    from tf_vrgd import train
+
+    config_path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
+    base = ["--config", config_path, "--output", str(tmp_path)]
+    experiment, args = _experiment(base + ["--epochs", "1"])
+    train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+    run_dir = tmp_path / "lamb"
+    run_dir.mkdir()
+    (run_dir / "checkpoint-epoch1.keras").write_text("")
+    (run_dir / "metrics.jsonl").write_text("")
+    # The same command resumes.
+    train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+    for change, said in ((["--epochs", "2"], "epochs: 1 then, 2 now"),
+                         (["--epochs", "1", "--seed", "5"], "seed: 0 then, 5 now"),
+                         (["--epochs", "1", "--batch-size", "4096"], "batch_size"),
+                         (["--epochs", "1", "--compare"], "compare")):
+        experiment, args = _experiment(base + change)
+        with pytest.raises(SystemExit, match=f"{said}.*--restart"):
+            train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+    other = os.path.join(ROOT, "configs", "fashion_mnist", "adam_b8192.yaml")
+    experiment, args = _experiment(["--config", other, "--output", str(tmp_path), "--epochs", "1"])
+    with pytest.raises(SystemExit, match="config"):
+        train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+    # --restart discards the old run and records the new settings.
+    train.check_settings(str(tmp_path), experiment.settings(args), restart=True)
+    assert not run_dir.exists()
+    train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+
+
+def test_partial_checkpoints_are_removed(tmp_path):
+    from tf_vrgd import train
+
+    for name in ("tmp1234.keras", "tmp99.keras", "checkpoint-epoch2.keras", "notes.txt"):
+        (tmp_path / name).write_text("")
+    train.remove_partial_checkpoints(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-epoch2.keras", "notes.txt"]
+
+
+def test_compare_checks_every_run_before_training(tmp_path):
+    from tf_vrgd import train
+
+    config_path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
+    experiment, _ = _experiment(["--config", config_path, "--output", str(tmp_path),
+                                 "--replicas", "1", "--compare"])
+    train.check_runs(experiment, compare=False)  # LAMB alone trains on one replica
+    with pytest.raises(SystemExit, match="'vr_lamb' cannot train.*k >= 2"):
+        train.check_runs(experiment, compare=True)

@@ -41,6 +41,37 @@ from tf_vrgd import functional
 PACKED_MAX_ELEMENTS = 2**14
 
 
+_VR_ARGUMENTS = """\
+        gamma: Float in (0, 1], the floor of the clipped GSNR. Defaults to
+            0.1.
+        beta_3: Float in [0, 1), the GSNR momentum (0: none, as in
+            Algorithm 1). Defaults to {beta_3}.
+        gsnr_epsilon: Float > 0, the variance floor relative to the second
+            moment. Defaults to 1e-6.
+        jit_update: Bool, XLA-compile the update (one program per device
+            for the variables over 2^14 elements) and, with accumulation,
+            the micro-step sums. Defaults to True.
+        track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
+            every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
+            Defaults to False (they cost extra reductions per update).
+        **kwargs: Keras base optimizer arguments (`name`, `weight_decay`,
+            `clipnorm`, `clipvalue`, `global_clipnorm`, `use_ema`,
+            `ema_momentum`, `ema_overwrite_frequency`, `loss_scale_factor`,
+            `gradient_accumulation_steps`, and the base class' own).
+            `gradient_accumulation_steps = A` makes k = replicas x A samples
+            per update. Clipping then applies to each micro-step's gradient
+            (each is a sample), where Keras clips the mean of the A
+            micro-steps once per update.
+"""
+
+
+def fill_vr_arguments(docstring, beta_3):
+    """A VR class' docstring with the arguments every VR class shares in
+    place of its ``{vr_args}`` line (one text, like Keras' base optimizer
+    argument template)."""
+    return docstring.replace("{vr_args}", _VR_ARGUMENTS.format(beta_3=beta_3))
+
+
 class GSNRMixin:
     """Turns a Keras optimizer into its VR twin. Host classes call
     `_init_gsnr` from `__init__` and list this mixin before the base
@@ -238,6 +269,12 @@ class GSNRMixin:
             for slot in (self._accumulated_gradients[index], self._accumulated_squares[index]):
                 slot.assign(tf.zeros(slot.shape, slot.dtype))
         self._accumulated_samples.assign(0.0)
+
+    def check_sample_count(self, replicas):
+        """Raises ValueError, saying how to fix it, unless `replicas` x
+        `gradient_accumulation_steps` gives k >= 2 gradient samples per
+        update (what the first update checks)."""
+        self._check_sample_count(replicas)
 
     def _check_sample_count(self, replicas):
         steps = self.gradient_accumulation_steps or 1

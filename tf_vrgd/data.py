@@ -8,7 +8,11 @@ decoded content is verified (60000/10000 examples, 28x28x1 uint8 images,
 labels 0-9, every class equally frequent) before anything trains on it.
 """
 
+import gzip
 import os
+import shutil
+import struct
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -44,6 +48,31 @@ def check_idx_files(data_dir):
         )
 
 
+def check_idx_file(path):
+    """Raises ValueError naming `path` unless it is a readable gzip holding
+    an IDX file (uint8 data, a big-endian header of dimensions) whose data
+    has exactly the bytes its header promises."""
+    try:
+        with gzip.open(path, "rb") as f:
+            content = f.read()
+    except (OSError, EOFError, zlib.error) as error:
+        raise ValueError(f"{path}: not a readable gzip file ({error}).") from None
+    if len(content) < 4 or content[:3] != b"\x00\x00\x08" or not 1 <= content[3] <= 4:
+        raise ValueError(f"{path}: not an IDX file of uint8 data (header {content[:4]!r}).")
+    ndim = content[3]
+    header = 4 + 4 * ndim
+    if len(content) < header:
+        raise ValueError(f"{path}: truncated IDX header.")
+    dims = struct.unpack(f">{ndim}I", content[4:header])
+    expected = int(np.prod(dims))
+    if len(content) - header != expected:
+        raise ValueError(
+            f"{path}: the header promises {dims} = {expected} bytes of data, the file "
+            f"holds {len(content) - header} (truncated or corrupt; reinstall it with "
+            "`apt-get install --reinstall dataset-fashion-mnist`)."
+        )
+
+
 def _builder_class():
     import tensorflow_datasets as tfds
 
@@ -75,17 +104,38 @@ def prepare(data_dir=None, cache_dir=None):
     cls = _builder_class()
     builder = cls(data_dir=cache_dir)
     if not builder.is_prepared():
+        # Checked here, so that tensorflow-datasets never records the
+        # checksums of a bad file nor prepares a dataset from it.
+        for name in IDX_FILES:
+            check_idx_file(os.path.join(data_dir, name))
         print(f"Preparing Fashion-MNIST from {data_dir} into {cache_dir} "
               "(tensorflow-datasets, once)...", flush=True)
         tfds.disable_progress_bar()
-        # tfds writes the recorded checksums to the builder's `_checksums_path`.
-        cls._checksums_path = epath.Path(cls._checksums_file(cache_dir))
-        builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(
-                manual_dir=data_dir, register_checksums=True
+        # tfds writes the recorded checksums to the builder's `_checksums_path`;
+        # they are recorded afresh at each preparation.
+        checksums = cls._checksums_file(cache_dir)
+        open(checksums, "w").close()
+        cls._checksums_path = epath.Path(checksums)
+        try:
+            builder.download_and_prepare(
+                download_config=tfds.download.DownloadConfig(
+                    manual_dir=data_dir, register_checksums=True
+                )
             )
-        )
+        except BaseException:
+            discard(builder)
+            raise
     return builder
+
+
+def discard(builder):
+    """Removes a prepared (or partly prepared) dataset and its recorded
+    checksums, so that the next run prepares it anew."""
+    shutil.rmtree(builder.data_dir, ignore_errors=True)
+    checksums = os.path.join(os.path.dirname(os.path.dirname(builder.data_dir)),
+                             "fashion_mnist_local_checksums.tsv")
+    if os.path.exists(checksums):
+        os.remove(checksums)
 
 
 def verify(images, labels, split):
@@ -123,7 +173,11 @@ def load(data_dir=None, cache_dir=None):
     for split in ("train", "test"):
         ds = builder.as_dataset(split=split, batch_size=-1, as_supervised=True)
         images, labels = tfds.as_numpy(ds)
-        verify(images, labels, split)
+        try:
+            verify(images, labels, split)
+        except ValueError:
+            discard(builder)  # not to be reused by a later run with good files
+            raise
         arrays[split] = (images, labels)
     tmp = f"{cached}.tmp{os.getpid()}.npz"
     np.savez(tmp, x_train=arrays["train"][0], y_train=arrays["train"][1],

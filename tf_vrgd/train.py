@@ -19,6 +19,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -60,6 +61,9 @@ def parse_args(argv=None):
                         help="deterministic TensorFlow ops (bit-reproducible resumes)")
     parser.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
                         help="Keras progress output")
+    parser.add_argument("--restart", action="store_true",
+                        help="discard the checkpoints and metrics already in --output and "
+                             "start over (needed to reuse a folder with other settings)")
     return parser.parse_args(argv)
 
 
@@ -171,6 +175,20 @@ class Experiment:
             if self.rescaled else ""
         )
 
+    def settings(self, args):
+        """What a run folder's results depend on: the config and every
+        setting that changes the training, recorded at the first start and
+        compared at each resume."""
+        return {
+            "config": self.cfg,
+            "batch_size": self.batch_size,
+            "epochs": self.epochs,
+            "seed": self.seed,
+            "replicas": self.replicas,
+            "train_examples": self.train_examples,
+            "compare": bool(args.compare),
+        }
+
     def runs(self, compare):
         """[(run name, optimization block)]: the config's, then its twin."""
         from tf_vrgd import config
@@ -228,6 +246,14 @@ def _checkpoints(run_dir):
     return found
 
 
+def remove_partial_checkpoints(run_dir):
+    """Removes the `tmp<pid>.keras` files that `save_checkpoint` leaves when
+    killed while writing (one process trains a run folder at a time)."""
+    for entry in os.listdir(run_dir):
+        if entry.startswith("tmp") and entry.endswith(".keras"):
+            os.remove(os.path.join(run_dir, entry))
+
+
 def save_checkpoint(model, run_dir, epochs_done):
     """Model and optimizer after `epochs_done` epochs, written under a
     temporary name and renamed (a kill leaves the previous one intact); older
@@ -283,6 +309,62 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
     return EpochEnd()
 
 
+SETTINGS_FILE = "settings.json"
+
+
+def check_settings(output, settings, restart):
+    """Records `settings` in `output`, or checks them against the ones a
+    previous start recorded there: a resume must continue the same run.
+    With `restart`, the folder's earlier results are discarded instead."""
+    path = os.path.join(output, SETTINGS_FILE)
+    if restart:
+        for entry in os.listdir(output):
+            run_dir = os.path.join(output, entry)
+            if os.path.isdir(run_dir) and (_checkpoints(run_dir) or os.path.exists(
+                    os.path.join(run_dir, "metrics.jsonl"))):
+                shutil.rmtree(run_dir)
+        if os.path.exists(path):
+            os.remove(path)
+    if os.path.exists(path):
+        with open(path) as f:
+            recorded = json.load(f)
+        settings = json.loads(json.dumps(settings))  # as JSON reads it back
+        changed = sorted(k for k in set(recorded) | set(settings)
+                         if recorded.get(k) != settings.get(k))
+        if changed:
+            details = "; ".join(
+                f"{k}: {_short(recorded.get(k))} then, {_short(settings.get(k))} now"
+                for k in changed)
+            raise SystemExit(
+                f"vrgd-train: {output} holds a run started with other settings ({details}). "
+                "Resuming would continue that run with these settings. Use a new --output, "
+                "or pass --restart to discard the folder's results and start over."
+            )
+        return
+    _replace(path, lambda f: json.dump(settings, f, indent=2, sort_keys=True))
+
+
+def _short(value):
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_runs(experiment, compare):
+    """Builds each run's optimizer before anything trains, so that a run
+    that cannot train (a VR optimizer with k < 2 samples per update)
+    stops the command before the first run, not after it."""
+    from tf_vrgd import config
+    from tf_vrgd._gsnr import find_vr_optimizer
+
+    for name, block in experiment.runs(compare):
+        vr = find_vr_optimizer(config.optimizer_from_config(block))
+        if vr is not None:
+            try:
+                vr.check_sample_count(experiment.replicas)
+            except ValueError as error:
+                raise SystemExit(f"vrgd-train: run {name!r} cannot train: {error}") from None
+
+
 def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
     """Trains (or resumes) one run; returns its metrics records."""
     import keras
@@ -293,6 +375,7 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
     from tf_vrgd._gsnr import find_vr_optimizer
 
     os.makedirs(run_dir, exist_ok=True)
+    remove_partial_checkpoints(run_dir)
     (x_train, y_train), (x_test, y_test) = arrays
     x_train, y_train = x_train[:experiment.train_examples], y_train[:experiment.train_examples]
     checkpoints = _checkpoints(run_dir)
@@ -457,6 +540,8 @@ def main(argv=None):
     if args.deterministic:
         tf.config.experimental.enable_op_determinism()
     os.makedirs(args.output, exist_ok=True)
+    check_settings(args.output, experiment.settings(args), args.restart)
+    check_runs(experiment, args.compare)
     print(f"experiment: {args.config}: {experiment.train_examples} training examples, "
           f"batch {experiment.batch_size}, {experiment.epochs} epochs "
           f"x {experiment.steps_per_epoch} steps, {experiment.replicas} replica(s) {devices}, "

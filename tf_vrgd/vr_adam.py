@@ -4,6 +4,7 @@ Signal to Noise Ratio")."""
 import keras
 
 from tf_vrgd import _validation
+from tf_vrgd import _gsnr
 from tf_vrgd._gsnr import GSNRMixin
 
 
@@ -25,16 +26,7 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
         beta_1: Float in [0, 1). Defaults to 0.9.
         beta_2: Float in [0, 1). Defaults to 0.999.
         epsilon: Float >= 0. Defaults to 1e-7 (Keras).
-        gamma: Float in (0, 1]. Defaults to 0.1.
-        beta_3: Float in [0, 1), GSNR momentum. Defaults to 0.9.
-        gsnr_epsilon: Float > 0. Defaults to 1e-6.
-        jit_update: Bool, XLA-compile the per-variable update (and, with
-            accumulation, the micro-step sums). Defaults to True.
-        track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
-            every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
-            Defaults to False (they cost extra reductions per update).
-        **kwargs: Keras base optimizer arguments (and Keras Adam's `amsgrad`).
-    """
+{vr_args}    """
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-7, gamma=0.1, beta_3=0.9, gsnr_epsilon=1e-6,
@@ -51,3 +43,6 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}
+
+
+VRAdam.__doc__ = _gsnr.fill_vr_arguments(VRAdam.__doc__, beta_3=0.9)

@@ -5,6 +5,7 @@ minutes")."""
 
 import keras
 
+from tf_vrgd import _gsnr
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd.lamb import LAMB
 
@@ -22,16 +23,7 @@ class VRLAMB(GSNRMixin, LAMB):
         learning_rate, beta_1, beta_2, epsilon, weight_decay_rate,
         exclude_from_weight_decay, exclude_from_layer_adaptation: as in
             `tf_vrgd.LAMB` (defaults 0.001, 0.9, 0.999, 1e-6, 0.0, None, None).
-        gamma: Float in (0, 1]. Defaults to 0.1.
-        beta_3: Float in [0, 1). Defaults to 0.9.
-        gsnr_epsilon: Float > 0. Defaults to 1e-6.
-        jit_update: Bool, XLA-compile the per-variable update (and, with
-            accumulation, the micro-step sums). Defaults to True.
-        track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
-            every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
-            Defaults to False (they cost extra reductions per update).
-        **kwargs: Keras base optimizer arguments.
-    """
+{vr_args}    """
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-6, weight_decay_rate=0.0,
@@ -54,3 +46,6 @@ class VRLAMB(GSNRMixin, LAMB):
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}
+
+
+VRLAMB.__doc__ = _gsnr.fill_vr_arguments(VRLAMB.__doc__, beta_3=0.9)

@@ -4,6 +4,7 @@ there)."""
 
 import keras
 
+from tf_vrgd import _gsnr
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd.lars import LARS
 
@@ -22,16 +23,7 @@ class VRLARS(GSNRMixin, LARS):
         momentum, nesterov, trust_coefficient, weight_decay_rate,
         exclude_from_weight_decay, exclude_from_layer_adaptation: as in
             `tf_vrgd.LARS` (defaults 0.9, False, 0.001, 0.0, None, None).
-        gamma: Float in (0, 1]. Defaults to 0.1.
-        beta_3: Float in [0, 1). Defaults to 0.0.
-        gsnr_epsilon: Float > 0. Defaults to 1e-6.
-        jit_update: Bool, XLA-compile the per-variable update (and, with
-            accumulation, the micro-step sums). Defaults to True.
-        track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
-            every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
-            Defaults to False (they cost extra reductions per update).
-        **kwargs: Keras base optimizer arguments.
-    """
+{vr_args}    """
 
     def __init__(self, learning_rate=0.1, momentum=0.9, nesterov=False,
                  trust_coefficient=0.001, weight_decay_rate=0.0,
@@ -54,3 +46,6 @@ class VRLARS(GSNRMixin, LARS):
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}
+
+
+VRLARS.__doc__ = _gsnr.fill_vr_arguments(VRLARS.__doc__, beta_3=0.0)

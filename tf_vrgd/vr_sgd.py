@@ -5,6 +5,7 @@ an algorithm box)."""
 import keras
 
 from tf_vrgd import _validation
+from tf_vrgd import _gsnr
 from tf_vrgd._gsnr import GSNRMixin
 
 
@@ -32,17 +33,7 @@ class VRSGD(GSNRMixin, keras.optimizers.SGD):
         learning_rate: Float >= 0, schedule or callable. Defaults to 0.01.
         momentum: Float in [0, 1). Defaults to 0.0 (VR-SGD).
         nesterov: Bool. Defaults to False.
-        gamma: Float in (0, 1], the GSNR clip floor. Defaults to 0.1.
-        beta_3: Float in [0, 1), GSNR momentum. Defaults to 0.0.
-        gsnr_epsilon: Float > 0, relative variance floor. Defaults to 1e-6.
-        jit_update: Bool, XLA-compile the per-variable update (and, with
-            accumulation, the micro-step sums). Defaults to True.
-        track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
-            every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
-            Defaults to False (they cost extra reductions per update).
-        **kwargs: Keras base optimizer arguments; `gradient_accumulation_steps`
-            adds its micro-steps to the samples.
-    """
+{vr_args}    """
 
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False,
                  gamma=0.1, beta_3=0.0, gsnr_epsilon=1e-6, jit_update=True,
@@ -58,3 +49,6 @@ class VRSGD(GSNRMixin, keras.optimizers.SGD):
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}
+
+
+VRSGD.__doc__ = _gsnr.fill_vr_arguments(VRSGD.__doc__, beta_3=0.0)
