@@ -6,7 +6,7 @@ with this package's optimizers.
 Section 7.2: true weights W_i = i (i = 1..10), w initialised to 0, inputs
 x ~ N(0, I) (the paper says only "randomly generated"), y = W.x, MSE loss,
 100 updates of SGD and VR-SGD at batch 256 split into k samples (k
-micro-batches accumulated per update: ALGORITHMS.md §1): final test loss
+micro-batches accumulated per update: docs/algorithms.md §1): final test loss
 over a rate grid, and curves at one common rate. Outputs: train and
 test loss curves, weight trajectories and per-weight GSNR (the analog of
 the paper's Figure 5), and the number of VR-SGD updates needed to reach

@@ -143,7 +143,7 @@ def bert_configs(out):
                 "- LAMB decay 0.01 without LayerNorm and bias (BERT's setting), linear",
                 "  warm-up then polynomial (power 1) decay to 0 over the phase;",
                 "- Table 8 gives k as gradient-accumulation steps: here k = replicas x",
-                "  gradient_accumulation_steps (ALGORITHMS.md §1), so on R replicas the",
+                "  gradient_accumulation_steps (docs/algorithms.md §1), so on R replicas the",
                 "  paper's k is gradient_accumulation_steps below.",
             ]
             cfg = {

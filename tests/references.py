@@ -1,4 +1,4 @@
-"""Independent numpy references of the update rules (ALGORITHMS.md).
+"""Independent numpy references of the update rules (docs/algorithms.md).
 
 Written from the rules' statements, not from the package's code; every
 comparison goes through `assert_close`, which records the worst relative
@@ -33,7 +33,7 @@ def norm(x):
     return np.sqrt(np.sum(np.square(x, dtype=np.float64)))
 
 
-# --- LARS (ALGORITHMS.md §4, Model Garden classic momentum) ---------------
+# --- LARS (docs/algorithms.md §4, Model Garden classic momentum) ---------------
 
 
 def lars_step(w, g, v, lr, momentum=0.9, nesterov=False, trust_coefficient=0.001,
@@ -49,7 +49,7 @@ def lars_step(w, g, v, lr, momentum=0.9, nesterov=False, trust_coefficient=0.001
     return w - step, new_v
 
 
-# --- LARC (ALGORITHMS.md §5, Apex) -----------------------------------------
+# --- LARC (docs/algorithms.md §5, Apex) -----------------------------------------
 
 
 def larc_gradient(w, g, lr, trust_coefficient=0.02, clip=True, epsilon=1e-8,
@@ -88,12 +88,12 @@ def keras_adam_step(w, g, m, v, t, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
     return w - lr_t * m / (np.sqrt(v) + epsilon), m, v
 
 
-# --- GSNR (ALGORITHMS.md §1-3) ----------------------------------------------
+# --- GSNR (docs/algorithms.md §1-3) ----------------------------------------------
 
 
 def raw_gsnr(samples, epsilon=1e-6):
     """(raw element-wise GSNR, mean) from the k samples (axis 0) of one
-    variable (ALGORITHMS.md §2)."""
+    variable (docs/algorithms.md §2)."""
     samples = np.asarray(samples, np.float64)
     mean = samples.mean(axis=0)
     second = np.square(samples).mean(axis=0)
@@ -106,7 +106,7 @@ def raw_gsnr(samples, epsilon=1e-6):
 
 
 def gsnr_scale(samples, gamma, epsilon=1e-6):
-    """(r of ALGORITHMS.md §2, mean) from the k samples of one variable."""
+    """(r of docs/algorithms.md §2, mean) from the k samples of one variable."""
     raw, mean = raw_gsnr(samples, epsilon)
     layer_mean = raw.mean()
     normalized = raw / layer_mean if layer_mean > 0 else np.ones_like(raw)

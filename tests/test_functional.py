@@ -143,7 +143,7 @@ def test_gsnr_is_invariant_to_scaling_all_samples():
 
 def test_zero_gradient_layer_gives_scale_one():
     zeros = tf.zeros((3, 3))
-    # ALGORITHMS.md §2: raw GSNR 0 everywhere, layer mean 0, r_n = 1.
+    # docs/algorithms.md §2: raw GSNR 0 everywhere, layer mean 0, r_n = 1.
     np.testing.assert_array_equal(functional.gsnr_scale(zeros, zeros, 0.1, 1e-6), np.ones((3, 3)))
 
 

@@ -1,4 +1,4 @@
-"""LAMB (Model Garden form) against its numpy reference (ALGORITHMS.md §4)."""
+"""LAMB (Model Garden form) against its numpy reference (docs/algorithms.md §4)."""
 
 import keras
 import numpy as np

@@ -1,4 +1,4 @@
-"""LARC against its numpy reference (ALGORITHMS.md §5, Apex semantics)."""
+"""LARC against its numpy reference (docs/algorithms.md §5, Apex semantics)."""
 
 import keras
 import numpy as np

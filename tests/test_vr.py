@@ -1,5 +1,5 @@
 """The VR family against numpy references of Algorithms 1, 3, 5, VR-Momentum
-and VR-LARS (ALGORITHMS.md §1-4), on distinct data per replica, with
+and VR-LARS (docs/algorithms.md §1-4), on distinct data per replica, with
 gradient accumulation, and the properties of §2."""
 
 import keras

@@ -1,7 +1,7 @@
 """Per-variable exclusion from weight decay and from layer adaptation.
 
 Shared by every layer-wise optimizer of the package (LARS, and the VR
-family's LARS and LAMB). Two forms select variables, as in ALGORITHMS.md §4:
+family's LARS and LAMB). Two forms select variables, as in docs/algorithms.md §4:
 
 - Model Garden form: constructor lists of regular expressions, searched
   (`re.search`) in the variable's path (e.g. ``"dense_1/bias"``). They are

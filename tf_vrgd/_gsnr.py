@@ -3,7 +3,7 @@
 This is the one place where per-replica gradients (and accumulated
 micro-steps) become ``(sum of samples, sum of squared samples)``, are
 all-reduced together, and are turned into the GSNR-scaled gradient that the
-base rule applies (ALGORITHMS.md §1-3, §6). It replaces Keras' TensorFlow
+base rule applies (docs/algorithms.md §1-3, §6). It replaces Keras' TensorFlow
 update path, `_backend_apply_gradients`, which is private: the Keras range
 this is written for is pinned in `setup.cfg`, and
 `tests/test_vr_keras.py::test_keras_private_update_path_is_unchanged` fails,

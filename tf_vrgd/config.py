@@ -120,7 +120,7 @@ def _lars_to_tf_vrgd(fields):
         raise ValueError(
             "`classic_momentum: false` (LARS 'popular' momentum, learning rate "
             "applied after the momentum) is not implemented; tf_vrgd.LARS uses "
-            "classic momentum (ALGORITHMS.md §4). Received: classic_momentum=False"
+            "classic momentum (docs/algorithms.md §4). Received: classic_momentum=False"
         )
     out = _without(fields, "eeta", "classic_momentum")
     if fields.get("eeta") is not None:

@@ -2,7 +2,7 @@
 
 Each function here is stateless: tensors in, tensors out, no variables, no
 distribution logic. The optimizer classes call these pieces in the order the
-rules in ``ALGORITHMS.md`` give them, and each piece has its own numpy
+rules in ``docs/algorithms.md`` give them, and each piece has its own numpy
 reference test in ``tests/test_functional.py``.
 
 All statistics are computed in float32 whatever the variable dtype; callers
@@ -147,7 +147,7 @@ def momentum_step(velocity, scaled_update, momentum, nesterov):
     return new_velocity, new_velocity
 
 
-# --- Gradient signal-to-noise ratio (ALGORITHMS.md §1-3) ---------------------
+# --- Gradient signal-to-noise ratio (docs/algorithms.md §1-3) ---------------------
 
 
 def gradient_moments(sum_of_gradients, sum_of_squares, replicas,
@@ -207,7 +207,7 @@ def normalized_clipped_gsnr(gsnr, gamma):
 
 
 def gsnr_scale(gradient_mean, second_moment, gamma, epsilon):
-    """The per-element factor r of ALGORITHMS.md §2, in [gamma, 1]."""
+    """The per-element factor r of docs/algorithms.md §2, in [gamma, 1]."""
     return normalized_clipped_gsnr(
         raw_gsnr(gradient_mean, second_moment, epsilon), gamma
     )

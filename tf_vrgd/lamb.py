@@ -1,6 +1,6 @@
 """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning:
 Training BERT in 76 minutes") with TF Model Garden's arguments: coupled
-`weight_decay_rate` and regex exclusion lists. ALGORITHMS.md §4."""
+`weight_decay_rate` and regex exclusion lists. docs/algorithms.md §4."""
 
 import keras
 import tensorflow as tf
