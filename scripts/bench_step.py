@@ -20,29 +20,62 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=4,
-                        help="logical CPU replicas (or GPUs, if present) for the mirrored set-up")
-    parser.add_argument("--accumulation", type=int, default=4,
-                        help="micro-steps per update in the one-device set-up")
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "resnet50", "encoder"],
-                        choices=["mlp", "cnn", "resnet50", "encoder"])
-    parser.add_argument("--setups", nargs="+", default=["mirrored", "accumulation"],
-                        choices=["mirrored", "accumulation"])
-    parser.add_argument("--pairs", nargs="+", default=None,
-                        help="subset of: Momentum Adam LAMB LARS LARC")
-    parser.add_argument("--kinds", nargs="+", default=["first step", "update", "train step"],
-                        choices=["first step", "update", "train step"])
-    parser.add_argument("--batch", type=int, default=256,
-                        help="global batch of the mlp and cnn train step")
-    parser.add_argument("--batch-per-replica", type=int, default=8,
-                        help="batch per replica (per micro-step) of resnet50 and encoder")
-    parser.add_argument("--first-step-rounds", type=int, default=3,
-                        help="interleaved rounds of fresh candidates for the first step")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=4,
+        help="logical CPU replicas (or GPUs, if present) for the mirrored set-up",
+    )
+    parser.add_argument(
+        "--accumulation",
+        type=int,
+        default=4,
+        help="micro-steps per update in the one-device set-up",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["mlp", "cnn", "resnet50", "encoder"],
+        choices=["mlp", "cnn", "resnet50", "encoder"],
+    )
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        default=["mirrored", "accumulation"],
+        choices=["mirrored", "accumulation"],
+    )
+    parser.add_argument(
+        "--pairs", nargs="+", default=None, help="subset of: Momentum Adam LAMB LARS LARC"
+    )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["first step", "update", "train step"],
+        choices=["first step", "update", "train step"],
+    )
+    parser.add_argument(
+        "--batch", type=int, default=256, help="global batch of the mlp and cnn train step"
+    )
+    parser.add_argument(
+        "--batch-per-replica",
+        type=int,
+        default=8,
+        help="batch per replica (per micro-step) of resnet50 and encoder",
+    )
+    parser.add_argument(
+        "--first-step-rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of fresh candidates for the first step",
+    )
     parser.add_argument("--steps", type=int, default=5, help="calls per timed repetition")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repetitions")
     parser.add_argument("--mlp-parameters", type=int, default=10_000_000)
-    parser.add_argument("--statistics", action="store_true",
-                        help="also time each VR optimizer with track_gsnr_statistics=True")
+    parser.add_argument(
+        "--statistics",
+        action="store_true",
+        help="also time each VR optimizer with track_gsnr_statistics=True",
+    )
     return parser.parse_args(argv)
 
 

@@ -26,7 +26,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 DIM = 10
 TRUE_W = np.arange(1, DIM + 1, dtype=np.float32)
@@ -61,8 +61,8 @@ def train(optimizer_name, lr, batch, k, steps, seed, gamma=0.1, test=None, track
     def update(x, y):
         # One update = k micro-steps on disjoint micro-batches (the k samples).
         for i in tf.range(k):
-            xs = x[i * micro:(i + 1) * micro]
-            ys = y[i * micro:(i + 1) * micro]
+            xs = x[i * micro : (i + 1) * micro]
+            ys = y[i * micro : (i + 1) * micro]
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(tf.linalg.matvec(xs, w.value) - ys))
             optimizer.apply([tape.gradient(loss, w.value)], [w])
@@ -70,8 +70,8 @@ def train(optimizer_name, lr, batch, k, steps, seed, gamma=0.1, test=None, track
 
     history = {"train_loss": [], "test_loss": [], "weights": [], "gsnr": []}
     for step in range(steps):
-        x = x_all[step * batch:(step + 1) * batch]
-        y = y_all[step * batch:(step + 1) * batch]
+        x = x_all[step * batch : (step + 1) * batch]
+        y = y_all[step * batch : (step + 1) * batch]
         history["train_loss"].append(float(update(x, y)))
         history["test_loss"].append(float(np.mean((x_test @ w.numpy() - y_test) ** 2)))
         if track:
@@ -105,21 +105,31 @@ def steps_to_reach(curve, target):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="runs/linear_regression")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[0.003, 0.01, 0.03, 0.1, 0.3],
-                        help="learning-rate grid; each optimizer runs at its best rate "
-                             "(lowest mean final test loss over the seeds)")
+    parser.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=[0.003, 0.01, 0.03, 0.1, 0.3],
+        help="learning-rate grid; each optimizer runs at its best rate "
+        "(lowest mean final test loss over the seeds)",
+    )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--k", type=int, default=8, help="samples per update (section 7.2)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=3, help="repetitions (different data)")
     parser.add_argument("--sweep-batch", type=int, default=2048)
-    parser.add_argument("--gammas", type=float, nargs="+",
-                        default=[0.01, 0.02, 0.04, 0.1, 0.2, 0.4, 1.0])
+    parser.add_argument(
+        "--gammas", type=float, nargs="+", default=[0.01, 0.02, 0.04, 0.1, 0.2, 0.4, 1.0]
+    )
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256])
-    parser.add_argument("--lr", type=float, default=0.01,
-                        help="the common rate of the curves, the steps-to-target ratio and the "
-                             "section 7.3 sweep (a rate at which SGD has not reached float32 "
-                             "round-off after 100 updates)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=0.01,
+        help="the common rate of the curves, the steps-to-target ratio and the "
+        "section 7.3 sweep (a rate at which SGD has not reached float32 "
+        "round-off after 100 updates)",
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.output, exist_ok=True)
     test = make_data(10000, seed=10**6)
@@ -128,44 +138,64 @@ def main(argv=None):
     finals = {}
     for name in ("sgd", "vr_sgd"):
         for lr in args.lrs:
-            finals[(name, lr)] = np.mean([
-                train(name, lr, args.batch, args.k, args.steps, seed, test=test)["test_loss"][-1]
-                for seed in range(args.seeds)])
+            finals[(name, lr)] = np.mean(
+                [
+                    train(name, lr, args.batch, args.k, args.steps, seed, test=test)["test_loss"][
+                        -1
+                    ]
+                    for seed in range(args.seeds)
+                ]
+            )
             print(f"{name:<7} lr {lr:<6g} mean final test loss {finals[(name, lr)]:.4g}")
     best_lr = {name: min(args.lrs, key=lambda lr: finals[(name, lr)]) for name in ("sgd", "vr_sgd")}
     print(f"best rates: {best_lr}; curves and ratios below at the common rate {args.lr:g}")
     runs = {}
     for seed in range(args.seeds):
         for name in ("sgd", "vr_sgd"):
-            runs[(name, seed)] = train(name, args.lr, args.batch, args.k, args.steps, seed,
-                                       test=test, track=(seed == 0))
+            runs[(name, seed)] = train(
+                name, args.lr, args.batch, args.k, args.steps, seed, test=test, track=(seed == 0)
+            )
     ratios = []
     for seed in range(args.seeds):
         target = runs[("sgd", seed)]["test_loss"][-1]
         reached = steps_to_reach(runs[("vr_sgd", seed)]["test_loss"], target)
         ratios.append(reached / args.steps if reached else None)
-        print(f"seed {seed}: SGD test loss after {args.steps} updates {target:.4g}; "
-              f"VR-SGD reaches it after {reached} updates "
-              f"(final VR-SGD test loss {runs[('vr_sgd', seed)]['test_loss'][-1]:.4g})")
+        print(
+            f"seed {seed}: SGD test loss after {args.steps} updates {target:.4g}; "
+            f"VR-SGD reaches it after {reached} updates "
+            f"(final VR-SGD test loss {runs[('vr_sgd', seed)]['test_loss'][-1]:.4g})"
+        )
     found = [r for r in ratios if r is not None]
-    print(f"steps-to-target ratio VR-SGD / SGD: "
-          f"{', '.join(f'{r:.2f}' if r else 'not reached' for r in ratios)}"
-          + (f" (mean {np.mean(found):.2f})" if found else ""))
+    print(
+        f"steps-to-target ratio VR-SGD / SGD: "
+        f"{', '.join(f'{r:.2f}' if r else 'not reached' for r in ratios)}"
+        + (f" (mean {np.mean(found):.2f})" if found else "")
+    )
 
     # --- 7.3 -------------------------------------------------------------
     sweep = {"gamma": {}, "k": {}}
     for gamma in args.gammas:
-        losses = [train("vr_sgd", args.lr, args.sweep_batch, 64, args.steps, s, gamma=gamma,
-                        test=test)["test_loss"][-1] for s in range(args.seeds)]
+        losses = [
+            train("vr_sgd", args.lr, args.sweep_batch, 64, args.steps, s, gamma=gamma, test=test)[
+                "test_loss"
+            ][-1]
+            for s in range(args.seeds)
+        ]
         sweep["gamma"][gamma] = float(np.mean(losses))
         print(f"gamma {gamma:<5g} (k = 64): VR-SGD test loss {np.mean(losses):.4g}")
     for k in args.ks:
-        losses = [train("vr_sgd", args.lr, args.sweep_batch, k, args.steps, s,
-                        test=test)["test_loss"][-1] for s in range(args.seeds)]
+        losses = [
+            train("vr_sgd", args.lr, args.sweep_batch, k, args.steps, s, test=test)["test_loss"][-1]
+            for s in range(args.seeds)
+        ]
         sweep["k"][k] = float(np.mean(losses))
         print(f"k {k:<5d} (gamma = 0.1): VR-SGD test loss {np.mean(losses):.4g}")
-    sgd_sweep = np.mean([train("sgd", args.lr, args.sweep_batch, 1, args.steps, s,
-                               test=test)["test_loss"][-1] for s in range(args.seeds)])
+    sgd_sweep = np.mean(
+        [
+            train("sgd", args.lr, args.sweep_batch, 1, args.steps, s, test=test)["test_loss"][-1]
+            for s in range(args.seeds)
+        ]
+    )
     print(f"SGD at batch {args.sweep_batch}: test loss {sgd_sweep:.4g}")
 
     result = {
@@ -196,8 +226,13 @@ def _plot(runs, sweep, sgd_sweep, args):
         axes[0].semilogy(steps, h["test_loss"], style, label=f"{name} test")
         weights = np.array(h["weights"])
         for i in range(DIM):
-            axes[1].plot(steps, weights[:, i], style, color=f"C{i}",
-                         label=f"w{i + 1}" if name == "sgd" else None)
+            axes[1].plot(
+                steps,
+                weights[:, i],
+                style,
+                color=f"C{i}",
+                label=f"w{i + 1}" if name == "sgd" else None,
+            )
     gsnr = np.array(runs[("vr_sgd", 0)]["gsnr"])
     for i in range(DIM):
         axes[2].semilogy(steps, gsnr[:, i], color=f"C{i}", label=f"w{i + 1}")

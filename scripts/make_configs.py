@@ -69,18 +69,44 @@ CRITEO_TRAIN = 4_195_197_692  # MLPerf DLRM training samples (one epoch)
 # --- Table 11: CIFAR-10 ResNet-56 ---------------------------------------------
 # batch label, samples, warmup epochs (2^x), and per optimizer the lr
 # exponent x of the table's formula and the test accuracies (base, VR).
-CIFAR_BATCHES = [("256", 256, 2), ("512", 512, 2.5), ("1k", K, 3), ("2k", 2 * K, 3.5),
-                 ("4k", 4 * K, 4), ("8k", 8 * K, 5)]
+CIFAR_BATCHES = [
+    ("256", 256, 2),
+    ("512", 512, 2.5),
+    ("1k", K, 3),
+    ("2k", 2 * K, 3.5),
+    ("4k", 4 * K, 4),
+    ("8k", 8 * K, 5),
+]
 TABLE_11 = {
     # name: (lr formula text, lr(x), exponents per batch, base acc, VR acc)
-    "momentum": ("128 / (2^x * 100)", lambda x: 128 / (2**x * 100), [2, 1.5, 1, 0.5, 0, -0.5],
-                 [93.68, 93.56, 93.17, 92.19, 17.40, 14.57], [93.79, 93.71, 93.50, 93.28, 92.70, 90.57]),
-    "adam": ("192 / (2^x * 1e4)", lambda x: 192 / (2**x * 1e4), [3, 2.5, 2, 1, 0, -1],
-             [91.88, 92.24, 92.02, 91.98, 59.38, 20.74], [92.46, 92.40, 92.43, 92.10, 91.74, 90.86]),
-    "lamb": ("64 / (2^x * 1e3)", lambda x: 64 / (2**x * 1e3), [4, 3.5, 3, 2, 1, 1],
-             [92.08, 92.03, 91.90, 92.13, 58.35, 15.13], [92.29, 92.34, 92.05, 92.43, 92.04, 91.07]),
-    "lars": ("896 / (2^x * 100)", lambda x: 896 / (2**x * 100), [2, 1.5, 1, 0.5, 0, -0.5],
-             [92.30, 92.29, 92.34, 82.39, 27.50, 12.21], [92.35, 92.53, 92.44, 92.79, 92.35, 91.86]),
+    "momentum": (
+        "128 / (2^x * 100)",
+        lambda x: 128 / (2**x * 100),
+        [2, 1.5, 1, 0.5, 0, -0.5],
+        [93.68, 93.56, 93.17, 92.19, 17.40, 14.57],
+        [93.79, 93.71, 93.50, 93.28, 92.70, 90.57],
+    ),
+    "adam": (
+        "192 / (2^x * 1e4)",
+        lambda x: 192 / (2**x * 1e4),
+        [3, 2.5, 2, 1, 0, -1],
+        [91.88, 92.24, 92.02, 91.98, 59.38, 20.74],
+        [92.46, 92.40, 92.43, 92.10, 91.74, 90.86],
+    ),
+    "lamb": (
+        "64 / (2^x * 1e3)",
+        lambda x: 64 / (2**x * 1e3),
+        [4, 3.5, 3, 2, 1, 1],
+        [92.08, 92.03, 91.90, 92.13, 58.35, 15.13],
+        [92.29, 92.34, 92.05, 92.43, 92.04, 91.07],
+    ),
+    "lars": (
+        "896 / (2^x * 100)",
+        lambda x: 896 / (2**x * 100),
+        [2, 1.5, 1, 0.5, 0, -0.5],
+        [92.30, 92.29, 92.34, 82.39, 27.50, 12.21],
+        [92.35, 92.53, 92.44, 92.79, 92.35, 91.86],
+    ),
 }
 CIFAR_TRAIN = 50_000
 CIFAR_EPOCHS = 182  # TF's official CIFAR ResNet recipe (LR drops at epochs 91 and 136, Figure 3)
@@ -97,8 +123,16 @@ FASHION_BASE = {
     "momentum": ("sgd", {"momentum": 0.9}, 0.05),
     "adam": ("adam", {}, 0.002),
     "lamb": ("lamb", {"weight_decay_rate": 0.0001, "exclude_from_weight_decay": ["bias"]}, 0.005),
-    "lars": ("lars", {"momentum": 0.9, "eeta": 0.001, "weight_decay_rate": 0.0001,
-                      "exclude_from_weight_decay": ["bias"]}, 1.0),
+    "lars": (
+        "lars",
+        {
+            "momentum": 0.9,
+            "eeta": 0.001,
+            "weight_decay_rate": 0.0001,
+            "exclude_from_weight_decay": ["bias"],
+        },
+        1.0,
+    ),
 }
 
 
@@ -148,30 +182,58 @@ def bert_configs(out):
             ]
             cfg = {
                 "task": {
-                    "model": {"type": "bert", "encoder": {"type": "bert", "bert": {
-                        "num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16,
-                        "intermediate_size": 4096}}},
-                    "train_data": {"global_batch_size": batch, "seq_length": seq,
-                                   "max_predictions_per_seq": predictions},
+                    "model": {
+                        "type": "bert",
+                        "encoder": {
+                            "type": "bert",
+                            "bert": {
+                                "num_layers": 24,
+                                "hidden_size": 1024,
+                                "num_attention_heads": 16,
+                                "intermediate_size": 4096,
+                            },
+                        },
+                    },
+                    "train_data": {
+                        "global_batch_size": batch,
+                        "seq_length": seq,
+                        "max_predictions_per_seq": predictions,
+                    },
                 },
                 "trainer": {
                     "train_steps": phase_steps,
                     "optimizer_config": {
-                        "optimizer": _optimizer("lamb", {
-                            "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-6,
-                            "weight_decay_rate": 0.01,
-                            "exclude_from_weight_decay": ["LayerNorm", "layer_norm", "bias"],
-                            "gradient_accumulation_steps": k}, vr=True),
-                        "learning_rate": {"type": "polynomial", "polynomial": {
-                            "initial_learning_rate": lr, "decay_steps": phase_steps,
-                            "end_learning_rate": 0.0, "power": 1.0}},
+                        "optimizer": _optimizer(
+                            "lamb",
+                            {
+                                "beta_1": 0.9,
+                                "beta_2": 0.999,
+                                "epsilon": 1e-6,
+                                "weight_decay_rate": 0.01,
+                                "exclude_from_weight_decay": ["LayerNorm", "layer_norm", "bias"],
+                                "gradient_accumulation_steps": k,
+                            },
+                            vr=True,
+                        ),
+                        "learning_rate": {
+                            "type": "polynomial",
+                            "polynomial": {
+                                "initial_learning_rate": lr,
+                                "decay_steps": phase_steps,
+                                "end_learning_rate": 0.0,
+                                "power": 1.0,
+                            },
+                        },
                         "warmup": _warmup(warmup),
                     },
                 },
                 "runtime": {"distribution_strategy": "multi_worker_mirrored", "num_gpus": 8},
             }
-            paths.append(_write(os.path.join(out, f"bert_large_vr_lamb_{label}_phase{phase}.yaml"),
-                                header, cfg))
+            paths.append(
+                _write(
+                    os.path.join(out, f"bert_large_vr_lamb_{label}_phase{phase}.yaml"), header, cfg
+                )
+            )
     return paths
 
 
@@ -200,18 +262,31 @@ def imagenet_configs(out):
             "trainer": {
                 "train_steps": steps,
                 "optimizer_config": {
-                    "optimizer": _optimizer("lars", {
-                        "momentum": 0.9, "eeta": 0.001, "weight_decay_rate": 1e-4,
-                        "exclude_from_weight_decay": ["batch_normalization", "bias"]}, vr=True),
-                    "learning_rate": {"type": "cosine", "cosine": {
-                        "initial_learning_rate": round(lr, 6), "decay_steps": steps}},
+                    "optimizer": _optimizer(
+                        "lars",
+                        {
+                            "momentum": 0.9,
+                            "eeta": 0.001,
+                            "weight_decay_rate": 1e-4,
+                            "exclude_from_weight_decay": ["batch_normalization", "bias"],
+                        },
+                        vr=True,
+                    ),
+                    "learning_rate": {
+                        "type": "cosine",
+                        "cosine": {"initial_learning_rate": round(lr, 6), "decay_steps": steps},
+                    },
                     "warmup": _warmup(round(warmup_epochs * per_epoch)),
                 },
             },
-            "runtime": {"distribution_strategy": "multi_worker_mirrored" if k > 8 else "mirrored",
-                        "num_gpus": min(k, 8)},
+            "runtime": {
+                "distribution_strategy": "multi_worker_mirrored" if k > 8 else "mirrored",
+                "num_gpus": min(k, 8),
+            },
         }
-        paths.append(_write(os.path.join(out, f"imagenet_resnet50_vr_lars_{label}.yaml"), header, cfg))
+        paths.append(
+            _write(os.path.join(out, f"imagenet_resnet50_vr_lars_{label}.yaml"), header, cfg)
+        )
     return paths
 
 
@@ -238,9 +313,16 @@ def dlrm_configs(out):
                     "train_steps": steps,
                     "optimizer_config": {
                         "optimizer": _optimizer("sgd", {"momentum": 0.0}, vr=vr),
-                        "learning_rate": {"type": "polynomial", "polynomial": {
-                            "initial_learning_rate": round(lr, 6), "decay_steps": steps - warmup,
-                            "end_learning_rate": 0.0, "power": 2.0, "offset": warmup}},
+                        "learning_rate": {
+                            "type": "polynomial",
+                            "polynomial": {
+                                "initial_learning_rate": round(lr, 6),
+                                "decay_steps": steps - warmup,
+                                "end_learning_rate": 0.0,
+                                "power": 2.0,
+                                "offset": warmup,
+                            },
+                        },
                         "warmup": _warmup(warmup),
                     },
                 },
@@ -259,11 +341,15 @@ def cifar_configs(out):
         "lars": ("lars", {"momentum": 0.9, "eeta": 0.001}),
     }
     for name, (formula, lr_of, exponents, base_acc, vr_acc) in TABLE_11.items():
-        for (label, batch, warmup_exp), x, acc, acc_vr in zip(CIFAR_BATCHES, exponents, base_acc, vr_acc):
+        for (label, batch, warmup_exp), x, acc, acc_vr in zip(
+            CIFAR_BATCHES, exponents, base_acc, vr_acc
+        ):
             per_epoch = CIFAR_TRAIN / batch
             steps = round(CIFAR_EPOCHS * per_epoch)
             for vr in (False, True):
-                title = {"momentum": "Momentum", "adam": "Adam", "lamb": "LAMB", "lars": "LARS"}[name]
+                title = {"momentum": "Momentum", "adam": "Adam", "lamb": "LAMB", "lars": "LARS"}[
+                    name
+                ]
                 header = [
                     f"CIFAR-10 ResNet-56, {'VR-' if vr else ''}{title}, batch {label}.",
                     f"VRGD paper Table 11, row '{label}': warm-up 2^{warmup_exp:g} epochs, "
@@ -285,16 +371,26 @@ def cifar_configs(out):
                         "train_steps": steps,
                         "optimizer_config": {
                             "optimizer": _optimizer(kind, opt_fields, vr=vr),
-                            "learning_rate": {"type": "cosine", "cosine": {
-                                "initial_learning_rate": round(lr_of(x), 8), "decay_steps": steps}},
+                            "learning_rate": {
+                                "type": "cosine",
+                                "cosine": {
+                                    "initial_learning_rate": round(lr_of(x), 8),
+                                    "decay_steps": steps,
+                                },
+                            },
                             "warmup": _warmup(round(2**warmup_exp * per_epoch)),
                         },
                     },
                     "runtime": {"distribution_strategy": "mirrored", "num_gpus": 8},
                 }
                 prefix = "vr_" if vr else ""
-                paths.append(_write(os.path.join(out, f"cifar10_resnet56_{prefix}{name}_{label}.yaml"),
-                                    header, cfg))
+                paths.append(
+                    _write(
+                        os.path.join(out, f"cifar10_resnet56_{prefix}{name}_{label}.yaml"),
+                        header,
+                        cfg,
+                    )
+                )
     return paths
 
 
@@ -310,40 +406,63 @@ def fashion_mnist_configs(out):
                     f"Fashion-MNIST CNN (width {FASHION_WIDTH}), {'VR-' if vr else ''}{name}, "
                     f"batch {batch}, {FASHION_REPLICAS} replicas.",
                     f"The CPU-scale analog of the paper's Table 11: LR {base_lr:g} at batch 256",
-                    f"scaled by sqrt(batch / 256) = {math.sqrt(batch / 256):.4g}, linear warm-up over",
-                    f"the first epoch, cosine decay to 0, {FASHION_EPOCHS} epochs at every batch size.",
+                    f"scaled by sqrt(batch / 256) = {math.sqrt(batch / 256):.4g}, "
+                    "linear warm-up over",
+                    f"the first epoch, cosine decay to 0, {FASHION_EPOCHS} epochs "
+                    "at every batch size.",
                     "Run: vrgd-train --config THIS_FILE --compare --output runs/NAME",
                 ]
                 cfg = {
                     "task": {
                         "model": {"type": "fashion_mnist_cnn", "width": FASHION_WIDTH},
-                        "train_data": {"tfds_name": "fashion_mnist", "tfds_split": "train",
-                                       "global_batch_size": batch},
-                        "validation_data": {"tfds_name": "fashion_mnist", "tfds_split": "test",
-                                            "global_batch_size": batch},
+                        "train_data": {
+                            "tfds_name": "fashion_mnist",
+                            "tfds_split": "train",
+                            "global_batch_size": batch,
+                        },
+                        "validation_data": {
+                            "tfds_name": "fashion_mnist",
+                            "tfds_split": "test",
+                            "global_batch_size": batch,
+                        },
                     },
                     "trainer": {
                         "train_steps": steps,
                         "optimizer_config": {
                             "optimizer": _optimizer(kind, dict(fields), vr=vr),
-                            "learning_rate": {"type": "cosine", "cosine": {
-                                "initial_learning_rate": round(lr, 6), "decay_steps": steps}},
+                            "learning_rate": {
+                                "type": "cosine",
+                                "cosine": {
+                                    "initial_learning_rate": round(lr, 6),
+                                    "decay_steps": steps,
+                                },
+                            },
                             "warmup": _warmup(per_epoch),
                         },
                     },
-                    "runtime": {"distribution_strategy": "mirrored", "num_gpus": FASHION_REPLICAS,
-                                "seed": 0},
+                    "runtime": {
+                        "distribution_strategy": "mirrored",
+                        "num_gpus": FASHION_REPLICAS,
+                        "seed": 0,
+                    },
                 }
                 prefix = "vr_" if vr else ""
-                paths.append(_write(os.path.join(out, f"{prefix}{name}_b{batch}.yaml"), header, cfg))
+                paths.append(
+                    _write(os.path.join(out, f"{prefix}{name}_b{batch}.yaml"), header, cfg)
+                )
     return paths
 
 
 def write_all(root=ROOT):
     paper = os.path.join(root, "configs", "paper")
     fashion = os.path.join(root, "configs", "fashion_mnist")
-    return (bert_configs(paper) + imagenet_configs(paper) + dlrm_configs(paper)
-            + cifar_configs(paper) + fashion_mnist_configs(fashion))
+    return (
+        bert_configs(paper)
+        + imagenet_configs(paper)
+        + dlrm_configs(paper)
+        + cifar_configs(paper)
+        + fashion_mnist_configs(fashion)
+    )
 
 
 if __name__ == "__main__":

@@ -40,12 +40,18 @@ def parse_args(argv=None):
     parser.add_argument("--lr-multipliers", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=1, help="seeds of every grid point")
-    parser.add_argument("--extra-seeds", type=int, default=1,
-                        help="more seeds for the best rate at the two largest batches")
+    parser.add_argument(
+        "--extra-seeds",
+        type=int,
+        default=1,
+        help="more seeds for the best rate at the two largest batches",
+    )
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--report", action="store_true", help="print the table of results.jsonl and exit")
+    parser.add_argument(
+        "--report", action="store_true", help="print the table of results.jsonl and exit"
+    )
     return parser.parse_args(argv)
 
 
@@ -70,8 +76,20 @@ def run_one(run, args, strategy, arrays):
     keras.backend.clear_session()  # fresh layer names and graph state per run
     name = run["optimizer"]
     path = os.path.join(ROOT, "configs", "fashion_mnist", f"{name}_b{run['batch']}.yaml")
-    cli = train.parse_args(["--config", path, "--output", args.output, "--epochs", str(args.epochs),
-                            "--seed", str(run["seed"]), "--replicas", str(args.replicas)])
+    cli = train.parse_args(
+        [
+            "--config",
+            path,
+            "--output",
+            args.output,
+            "--epochs",
+            str(args.epochs),
+            "--seed",
+            str(run["seed"]),
+            "--replicas",
+            str(args.replicas),
+        ]
+    )
     experiment = train.Experiment(config.load(path), cli)
     block = train.rescale_schedule(experiment.block, 1.0, run["lr_multiplier"])
     run_dir = os.path.join(args.output, "runs", _key(run))
@@ -96,8 +114,14 @@ def grid(args):
             for name in (base, f"vr_{base}"):
                 for multiplier in args.lr_multipliers:
                     for seed in range(args.seeds):
-                        runs.append({"optimizer": name, "batch": batch,
-                                     "lr_multiplier": multiplier, "seed": seed})
+                        runs.append(
+                            {
+                                "optimizer": name,
+                                "batch": batch,
+                                "lr_multiplier": multiplier,
+                                "seed": seed,
+                            }
+                        )
     return runs
 
 
@@ -113,11 +137,19 @@ def best_rows(results):
             best[key] = row
     table = {}
     for key, row in best.items():
-        seeds = [r for r in results.values() if (r["optimizer"], r["batch"]) == key
-                 and r["lr_multiplier"] == row["lr_multiplier"]]
+        seeds = [
+            r
+            for r in results.values()
+            if (r["optimizer"], r["batch"]) == key and r["lr_multiplier"] == row["lr_multiplier"]
+        ]
         accs = [r["best_test_accuracy"] for r in seeds]
-        table[key] = {**row, "seeds": len(seeds), "mean_best_test_accuracy": sum(accs) / len(accs),
-                      "min_best": min(accs), "max_best": max(accs)}
+        table[key] = {
+            **row,
+            "seeds": len(seeds),
+            "mean_best_test_accuracy": sum(accs) / len(accs),
+            "min_best": min(accs),
+            "max_best": max(accs),
+        }
     return table
 
 
@@ -137,11 +169,14 @@ def report(results):
                 if row is None:
                     cells.append(f"{'-':>24}")
                     continue
-                spread = (f"±{(row['max_best'] - row['min_best']) * 50:.1f}"
-                          if row["seeds"] > 1 else "")
-                cells.append(f"{row['mean_best_test_accuracy'] * 100:6.2f}{spread:<5} "
-                             f"(x{row['lr_multiplier']:g};{row['generalization_gap'] * 100:+.1f};"
-                             f"{row['seeds']})".rjust(24))
+                spread = (
+                    f"±{(row['max_best'] - row['min_best']) * 50:.1f}" if row["seeds"] > 1 else ""
+                )
+                cells.append(
+                    f"{row['mean_best_test_accuracy'] * 100:6.2f}{spread:<5} "
+                    f"(x{row['lr_multiplier']:g};{row['generalization_gap'] * 100:+.1f};"
+                    f"{row['seeds']})".rjust(24)
+                )
             lines.append(f"{name:<12}" + "".join(cells))
     return "\n".join(lines)
 
@@ -173,8 +208,11 @@ def main(argv=None):
             results[_key(run)] = row
             with open(results_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"{_key(run):<32} best test acc {row['best_test_accuracy']:.4f} "
-                  f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)", flush=True)
+            print(
+                f"{_key(run):<32} best test acc {row['best_test_accuracy']:.4f} "
+                f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)",
+                flush=True,
+            )
 
     run_all(grid(args))
     # More seeds at the two largest batches, for each optimizer's best rate.
@@ -183,8 +221,14 @@ def main(argv=None):
     for (name, batch), row in best_rows(results).items():
         if batch in largest:
             for seed in range(args.seeds, args.seeds + args.extra_seeds):
-                extra.append({"optimizer": name, "batch": batch,
-                              "lr_multiplier": row["lr_multiplier"], "seed": seed})
+                extra.append(
+                    {
+                        "optimizer": name,
+                        "batch": batch,
+                        "lr_multiplier": row["lr_multiplier"],
+                        "seed": seed,
+                    }
+                )
     run_all(extra)
     print(report(results))
     return 0

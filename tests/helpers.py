@@ -44,8 +44,10 @@ def gradient_stream(shapes, steps, replicas=1, scales=None, seed=1):
 def mean_over_replicas(stream):
     """[steps][replicas][var] -> [steps][var], the gradient Keras applies."""
     return [
-        [np.mean([replica[i] for replica in step], axis=0, dtype=np.float64)
-         for i in range(len(step[0]))]
+        [
+            np.mean([replica[i] for replica in step], axis=0, dtype=np.float64)
+            for i in range(len(step[0]))
+        ]
         for step in stream
     ]
 
@@ -54,16 +56,19 @@ def samples_per_update(stream, accumulation_steps):
     """[micro-steps][replicas][var] -> [updates][var] arrays [k, *shape]."""
     updates = []
     for u in range(len(stream) // accumulation_steps):
-        micro = stream[u * accumulation_steps:(u + 1) * accumulation_steps]
-        updates.append([
-            np.stack([replica[i] for step in micro for replica in step]).astype(np.float64)
-            for i in range(len(micro[0][0]))
-        ])
+        micro = stream[u * accumulation_steps : (u + 1) * accumulation_steps]
+        updates.append(
+            [
+                np.stack([replica[i] for step in micro for replica in step]).astype(np.float64)
+                for i in range(len(micro[0][0]))
+            ]
+        )
     return updates
 
 
 def apply_stream(optimizer, variables, stream, compiled=False):
     """Applies replica-0 gradients of each step on one device."""
+
     def step(grads):
         optimizer.apply(grads, variables)
 
@@ -93,8 +98,7 @@ def apply_stream_mirrored(strategy, optimizer, variables, stream):
 
     for grads in stream:
         stacked = [
-            tf.constant(np.stack([replica[i] for replica in grads]))
-            for i in range(len(grads[0]))
+            tf.constant(np.stack([replica[i] for replica in grads])) for i in range(len(grads[0]))
         ]
         step(stacked)
 

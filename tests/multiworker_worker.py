@@ -19,11 +19,11 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import tf_vrgd  # noqa: E402
-from tests import helpers  # noqa: E402
+from tests import helpers
+import tf_vrgd
 
 UPDATES = 4
 VR_MOMENTUM = dict(learning_rate=0.05, momentum=0.9, gamma=0.2)
@@ -36,7 +36,9 @@ def shapes():
 
 def four_replica_stream():
     """[updates][4 replicas][variables]: the samples of the VR-Adam run."""
-    return helpers.gradient_stream(shapes(), UPDATES, replicas=4, scales=[1.0, 0.1, 3.0, 0.01], seed=7)
+    return helpers.gradient_stream(
+        shapes(), UPDATES, replicas=4, scales=[1.0, 0.1, 3.0, 0.01], seed=7
+    )
 
 
 def two_worker_micro_steps(stream):

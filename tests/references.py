@@ -36,8 +36,18 @@ def norm(x):
 # --- LARS (docs/algorithms.md §4, Model Garden classic momentum) ---------------
 
 
-def lars_step(w, g, v, lr, momentum=0.9, nesterov=False, trust_coefficient=0.001,
-              weight_decay_rate=0.0, decay=True, adapt=True):
+def lars_step(
+    w,
+    g,
+    v,
+    lr,
+    momentum=0.9,
+    nesterov=False,
+    trust_coefficient=0.001,
+    weight_decay_rate=0.0,
+    decay=True,
+    adapt=True,
+):
     """One LARS step; returns (new_w, new_v). float64 throughout."""
     w, g, v = (np.asarray(x, np.float64) for x in (w, g, v))
     u = g + weight_decay_rate * w if decay else g
@@ -52,8 +62,7 @@ def lars_step(w, g, v, lr, momentum=0.9, nesterov=False, trust_coefficient=0.001
 # --- LARC (docs/algorithms.md §5, Apex) -----------------------------------------
 
 
-def larc_gradient(w, g, lr, trust_coefficient=0.02, clip=True, epsilon=1e-8,
-                  weight_decay=0.0):
+def larc_gradient(w, g, lr, trust_coefficient=0.02, clip=True, epsilon=1e-8, weight_decay=0.0):
     w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
     w_norm, g_norm = norm(w), norm(g)
     if not (w_norm > 0 and g_norm > 0):
@@ -113,8 +122,20 @@ def gsnr_scale(samples, gamma, epsilon=1e-6):
     return np.clip(normalized, gamma, 1.0), mean
 
 
-def lamb_step(w, g, m, v, t, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-6,
-              weight_decay_rate=0.0, decay=True, adapt=True):
+def lamb_step(
+    w,
+    g,
+    m,
+    v,
+    t,
+    lr,
+    beta_1=0.9,
+    beta_2=0.999,
+    epsilon=1e-6,
+    weight_decay_rate=0.0,
+    decay=True,
+    adapt=True,
+):
     w, g, m, v = (np.asarray(x, np.float64) for x in (w, g, m, v))
     m = beta_1 * m + (1 - beta_1) * g
     v = beta_2 * v + (1 - beta_2) * g * g
@@ -132,8 +153,7 @@ class VRReference:
 
     `base_step(i, w, ghat, slots, t)` returns (new_w, new_slots)."""
 
-    def __init__(self, weights, base_step, slot_count, gamma, beta_3,
-                 epsilon=1e-6):
+    def __init__(self, weights, base_step, slot_count, gamma, beta_3, epsilon=1e-6):
         self.weights = [np.asarray(w, np.float64) for w in weights]
         self.slots = [[np.zeros_like(w) for _ in range(slot_count)] for w in self.weights]
         self.p = [np.zeros_like(w) for w in self.weights]

@@ -5,14 +5,14 @@ import glob
 import os
 
 import keras
-import tensorflow as tf
 import numpy as np
 import pytest
+import tensorflow as tf
 
-import tf_vrgd
-from tf_vrgd import config
 from tests import helpers
 from tests import references as ref
+import tf_vrgd
+from tf_vrgd import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,8 +81,11 @@ def _values(schedule, steps):
 
 
 def _to_twin(text, kind):
-    return text.replace(f"type: '{kind}'", f"type: 'vr_{kind}'").replace(
-        f"type: {kind}", f"type: vr_{kind}").replace(f"{kind}:", f"vr_{kind}:")
+    return (
+        text.replace(f"type: '{kind}'", f"type: 'vr_{kind}'")
+        .replace(f"type: {kind}", f"type: vr_{kind}")
+        .replace(f"{kind}:", f"vr_{kind}:")
+    )
 
 
 def test_bert_adamw_block_builds_with_model_garden_schedule():
@@ -124,17 +127,44 @@ def test_resnet_sgd_block_and_its_twin(twin):
     "block, formula",
     [
         ({"type": "constant", "constant": {"learning_rate": 0.3}}, lambda s: 0.3),
-        ({"type": "exponential", "exponential": {"initial_learning_rate": 0.5, "decay_steps": 10,
-                                                "decay_rate": 0.5, "offset": 4}},
-         lambda s: 0.5 * 0.5 ** ((s - 4) / 10)),
-        ({"type": "exponential", "exponential": {"initial_learning_rate": 0.5, "decay_steps": 10,
-                                                "decay_rate": 0.5, "staircase": True}},
-         lambda s: 0.5 * 0.5 ** (s // 10)),
-        ({"type": "cosine", "cosine": {"initial_learning_rate": 2.0, "decay_steps": 40, "alpha": 0.1}},
-         lambda s: 2.0 * ((1 - 0.1) * 0.5 * (1 + np.cos(np.pi * min(s, 40) / 40)) + 0.1)),
-        ({"type": "polynomial", "polynomial": {"initial_learning_rate": 1.0, "decay_steps": 30,
-                                              "power": 2.0}},
-         lambda s: (1.0 - 1e-4) * (1 - min(s, 30) / 30) ** 2 + 1e-4),
+        (
+            {
+                "type": "exponential",
+                "exponential": {
+                    "initial_learning_rate": 0.5,
+                    "decay_steps": 10,
+                    "decay_rate": 0.5,
+                    "offset": 4,
+                },
+            },
+            lambda s: 0.5 * 0.5 ** ((s - 4) / 10),
+        ),
+        (
+            {
+                "type": "exponential",
+                "exponential": {
+                    "initial_learning_rate": 0.5,
+                    "decay_steps": 10,
+                    "decay_rate": 0.5,
+                    "staircase": True,
+                },
+            },
+            lambda s: 0.5 * 0.5 ** (s // 10),
+        ),
+        (
+            {
+                "type": "cosine",
+                "cosine": {"initial_learning_rate": 2.0, "decay_steps": 40, "alpha": 0.1},
+            },
+            lambda s: 2.0 * ((1 - 0.1) * 0.5 * (1 + np.cos(np.pi * min(s, 40) / 40)) + 0.1),
+        ),
+        (
+            {
+                "type": "polynomial",
+                "polynomial": {"initial_learning_rate": 1.0, "decay_steps": 30, "power": 2.0},
+            },
+            lambda s: (1.0 - 1e-4) * (1 - min(s, 30) / 30) ** 2 + 1e-4,
+        ),
     ],
     ids=["constant", "exponential-offset", "exponential-staircase", "cosine", "polynomial"],
 )
@@ -154,32 +184,50 @@ def test_learning_rate_types_follow_model_garden(block, formula):
 
 def test_optimizer_and_schedule_survive_serialization():
     cfg = config.load(RESNET_SGD)
-    cfg["optimizer"] = {"type": "larc", "larc": {"trust_coefficient": 0.01, "optimizer": cfg["optimizer"]}}
+    cfg["optimizer"] = {
+        "type": "larc",
+        "larc": {"trust_coefficient": 0.01, "optimizer": cfg["optimizer"]},
+    }
     cfg["ema"] = {"average_decay": 0.999, "dynamic_decay": False}
     optimizer = config.optimizer_from_config(cfg)
     assert optimizer.inner_optimizer.use_ema and optimizer.inner_optimizer.ema_momentum == 0.999
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
     steps = [0, 100, 3125, 20000]
-    np.testing.assert_array_equal(_values(_schedule(restored), steps), _values(_schedule(optimizer), steps))
+    np.testing.assert_array_equal(
+        _values(_schedule(restored), steps), _values(_schedule(optimizer), steps)
+    )
     assert restored.trust_coefficient == 0.01
 
-    adamw = config.optimizer_from_config(BERT_PRETRAINING.replace(
-        "type: adamw", "type: adamw\n      adamw: {weight_decay_rate: 0.01, exclude_from_weight_decay: ['bias$']}"))
+    adamw = config.optimizer_from_config(
+        BERT_PRETRAINING.replace(
+            "type: adamw",
+            "type: adamw\n      adamw: {weight_decay_rate: 0.01, "
+            "exclude_from_weight_decay: ['bias$']}",
+        )
+    )
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(adamw))
     assert restored.get_config() == adamw.get_config()
 
 
 def test_adamw_decays_all_but_excluded_variables_like_model_garden():
     lr, rate = 0.01, 0.1
-    optimizer = config.optimizer_from_config({
-        "optimizer": {"type": "adamw", "adamw": {
-            "weight_decay_rate": rate, "gradient_clip_norm": 0.0,
-            "exclude_from_weight_decay": ["bias"], "include_in_weight_decay": ["head/bias"]}},
-        "learning_rate": {"type": "constant", "constant": {"learning_rate": lr}},
-    })
+    optimizer = config.optimizer_from_config(
+        {
+            "optimizer": {
+                "type": "adamw",
+                "adamw": {
+                    "weight_decay_rate": rate,
+                    "gradient_clip_norm": 0.0,
+                    "exclude_from_weight_decay": ["bias"],
+                    "include_in_weight_decay": ["head/bias"],
+                },
+            },
+            "learning_rate": {"type": "constant", "constant": {"learning_rate": lr}},
+        }
+    )
     model = helpers.make_model()
     initial = model.get_weights()
-    grads = [g for g in helpers.gradient_stream([w.shape for w in initial], 1)[0][0]]
+    grads = list(helpers.gradient_stream([w.shape for w in initial], 1)[0][0])
     optimizer.apply(grads, model.trainable_variables)
     # w <- w - lr * rate * w, then Adam; dense/bias excluded, head/bias re-included.
     for w, g, got, decays in zip(initial, grads, model.get_weights(), [True, False, True, True]):
@@ -192,20 +240,51 @@ def test_adamw_decays_all_but_excluded_variables_like_model_garden():
 @pytest.mark.parametrize(
     "cfg, message",
     [
-        ({"optimizer": {"type": "adagrad"}}, r"Unknown optimizer type 'adagrad'. Accepted: \['adam'"),
-        ({"optimizer": {"type": "sgd", "sgd": {"momentun": 0.9}}}, r"Unknown field\(s\) \['momentun'\] in optimizer.sgd"),
+        (
+            {"optimizer": {"type": "adagrad"}},
+            r"Unknown optimizer type 'adagrad'. Accepted: \['adam'",
+        ),
+        (
+            {"optimizer": {"type": "sgd", "sgd": {"momentun": 0.9}}},
+            r"Unknown field\(s\) \['momentun'\] in optimizer.sgd",
+        ),
         ({"optimizer": {"type": "sgd", "adam": {}}}, r"besides `type` and `sgd`"),
         ({"optimizer": {"type": "sgd", "sgd": {"decay": 1e-4}}}, "time-based"),
         ({"optimizer": {"type": "lars", "lars": {"classic_momentum": False}}}, "classic_momentum"),
-        ({"optimizer": {"type": "vr_lars", "vr_lars": {"eeta": 0.01, "trust_coefficient": 0.01}}}, "not both"),
+        (
+            {
+                "optimizer": {
+                    "type": "vr_lars",
+                    "vr_lars": {"eeta": 0.01, "trust_coefficient": 0.01},
+                }
+            },
+            "not both",
+        ),
         ({"optimizer": {"type": "vr_adam", "vr_adam": {"gamma": 0.0}}}, "gamma"),
         ({"optimizer": {"type": "larc", "larc": {}}}, "inner `optimizer`"),
-        ({"optimizer": {"type": "sgd"}, "learning_rate": {"type": "cosine", "cosine": {"decay_steps": 5}}},
-         r"needs \['initial_learning_rate'\]"),
-        ({"optimizer": {"type": "sgd"}, "learning_rate": {"type": "cyclic"}}, "Unknown learning_rate type"),
-        ({"optimizer": {"type": "sgd"}, "warmup": {"type": "linear", "linear": {"warmup_steps": 0}}}, "warmup_steps"),
+        (
+            {
+                "optimizer": {"type": "sgd"},
+                "learning_rate": {"type": "cosine", "cosine": {"decay_steps": 5}},
+            },
+            r"needs \['initial_learning_rate'\]",
+        ),
+        (
+            {"optimizer": {"type": "sgd"}, "learning_rate": {"type": "cyclic"}},
+            "Unknown learning_rate type",
+        ),
+        (
+            {
+                "optimizer": {"type": "sgd"},
+                "warmup": {"type": "linear", "linear": {"warmup_steps": 0}},
+            },
+            "warmup_steps",
+        ),
         ({"optimizer": {"type": "sgd"}, "ema": {"average_decay": 0.9}}, "dynamic_decay"),
-        ({"optimizer": {"type": "sgd"}, "gradient_clipping": 1.0}, r"Unknown key\(s\) \['gradient_clipping'\]"),
+        (
+            {"optimizer": {"type": "sgd"}, "gradient_clipping": 1.0},
+            r"Unknown key\(s\) \['gradient_clipping'\]",
+        ),
         ("optimizer: !!python/object/apply:os.system ['true']", "Invalid YAML"),
     ],
 )
@@ -221,8 +300,15 @@ def test_twin_block_switches_type_and_back():
     twin = config.twin_block(block)
     assert twin["optimizer"]["type"] == "vr_lamb"
     assert twin["optimizer"]["vr_lamb"] == block["optimizer"]["lamb"]
-    back = config.twin_block({**twin, "optimizer": {"type": "vr_lamb", "vr_lamb": {
-        **twin["optimizer"]["vr_lamb"], "gamma": 0.2}}})
+    back = config.twin_block(
+        {
+            **twin,
+            "optimizer": {
+                "type": "vr_lamb",
+                "vr_lamb": {**twin["optimizer"]["vr_lamb"], "gamma": 0.2},
+            },
+        }
+    )
     assert back["optimizer"] == block["optimizer"]
     with pytest.raises(ValueError, match="no VR twin"):
         config.twin_block(config.load(BERT_PRETRAINING))
@@ -233,19 +319,24 @@ def test_every_config_in_the_repository_builds():
     assert paths, "no configs found"
     for path in paths:
         optimizer = config.optimizer_from_config(path)
-        assert isinstance(_schedule(optimizer), keras.optimizers.schedules.LearningRateSchedule), path
+        assert isinstance(_schedule(optimizer), keras.optimizers.schedules.LearningRateSchedule), (
+            path
+        )
 
 
 def test_committed_configs_are_what_the_generator_writes(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_configs", os.path.join(ROOT, "scripts", "make_configs.py"))
+    spec = importlib.util.spec_from_file_location(
+        "make_configs", os.path.join(ROOT, "scripts", "make_configs.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     written = module.write_all(str(tmp_path))
     committed = sorted(glob.glob(os.path.join(ROOT, "configs", "*", "*.yaml")))
     assert sorted(os.path.relpath(p, tmp_path) for p in written) == sorted(
-        os.path.relpath(p, ROOT) for p in committed)
+        os.path.relpath(p, ROOT) for p in committed
+    )
     for path in written:
         with open(path) as a, open(os.path.join(ROOT, os.path.relpath(path, tmp_path))) as b:
             assert a.read() == b.read(), path
@@ -258,7 +349,9 @@ def test_paper_configs_carry_the_tables_values():
     assert block["optimizer"]["vr_lamb"]["gradient_accumulation_steps"] == 32
     assert block["learning_rate"]["polynomial"]["initial_learning_rate"] == 0.0045
     assert block["warmup"]["linear"]["warmup_steps"] == 200
-    imagenet = config.optimizer_from_config(os.path.join(ROOT, "configs/paper/imagenet_resnet50_vr_lars_16k.yaml"))
+    imagenet = config.optimizer_from_config(
+        os.path.join(ROOT, "configs/paper/imagenet_resnet50_vr_lars_16k.yaml")
+    )
     assert isinstance(imagenet, tf_vrgd.VRLARS) and imagenet.gamma == 0.1
     assert float(imagenet._learning_rate(10**6)) == 0.0  # cosine to 0
     cifar = config.load(os.path.join(ROOT, "configs/paper/cifar10_resnet56_vr_adam_8k.yaml"))
@@ -274,9 +367,13 @@ def test_schedules_count_updates_under_accumulation(kind):
     fields = {"gradient_accumulation_steps": 4}
     if kind == "vr_sgd":
         fields["gamma"] = 1.0  # ghat = gbar: the weight moves by -rate
-    block = {"optimizer": {"type": kind, kind: fields},
-             "learning_rate": {"type": "stepwise",
-                               "stepwise": {"boundaries": [1, 2, 3], "values": [1.0, 2.0, 3.0, 4.0]}}}
+    block = {
+        "optimizer": {"type": kind, kind: fields},
+        "learning_rate": {
+            "type": "stepwise",
+            "stepwise": {"boundaries": [1, 2, 3], "values": [1.0, 2.0, 3.0, 4.0]},
+        },
+    }
     optimizer = config.optimizer_from_config(block)
     variable = keras.Variable(np.zeros((2,), np.float32), name="w")
     rng = np.random.default_rng(36)
@@ -291,74 +388,130 @@ def test_schedules_count_updates_under_accumulation(kind):
         rates.append(float(np.mean(before - variable.numpy())))
     np.testing.assert_allclose(rates, [1.0, 1.0, 2.0, 3.0, 4.0], rtol=1e-5)
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
-    assert isinstance(restored._learning_rate,
-                      tf_vrgd.schedules.PerUpdate)
+    assert isinstance(restored._learning_rate, tf_vrgd.schedules.PerUpdate)
 
 
 def test_empty_layer_adaptation_list_means_the_weight_decay_list():
     # Model Garden's LAMB and LARS read `if exclude_from_layer_adaptation:`.
     for kind in ("lamb", "vr_lamb", "lars", "vr_lars"):
-        block = {"optimizer": {"type": kind, kind: {"weight_decay_rate": 0.01,
-                                                     "exclude_from_weight_decay": ["bias"],
-                                                     "exclude_from_layer_adaptation": []}},
-                 "learning_rate": {"type": "constant"}}
+        block = {
+            "optimizer": {
+                "type": kind,
+                kind: {
+                    "weight_decay_rate": 0.01,
+                    "exclude_from_weight_decay": ["bias"],
+                    "exclude_from_layer_adaptation": [],
+                },
+            },
+            "learning_rate": {"type": "constant"},
+        }
         optimizer = config.optimizer_from_config(block)
         model = helpers.make_model()
         optimizer.build(model.trainable_variables)
-        adapts = [optimizer._adapts[optimizer._get_variable_index(v)]
-                  for v in model.trainable_variables]
+        adapts = [
+            optimizer._adapts[optimizer._get_variable_index(v)] for v in model.trainable_variables
+        ]
         assert adapts == [True, False, True, False], kind
 
 
 def _block(optimizer=None, learning_rate=None, warmup=None):
-    block = {"optimizer": optimizer or {"type": "sgd"},
-             "learning_rate": learning_rate or {"type": "constant"}}
+    block = {
+        "optimizer": optimizer or {"type": "sgd"},
+        "learning_rate": learning_rate or {"type": "constant"},
+    }
     if warmup is not None:
         block["warmup"] = warmup
     return block
 
 
 def _polynomial(**fields):
-    return {"type": "polynomial", "polynomial": {"initial_learning_rate": 0.1,
-                                                  "decay_steps": 100, **fields}}
+    return {
+        "type": "polynomial",
+        "polynomial": {"initial_learning_rate": 0.1, "decay_steps": 100, **fields},
+    }
 
 
-@pytest.mark.parametrize("block,field", [
-    # Learning rates: negative, NaN, infinite, quoted.
-    (_block(learning_rate={"type": "constant", "constant": {"learning_rate": -0.1}}),
-     "learning_rate.constant.learning_rate"),
-    (_block(learning_rate=_polynomial(initial_learning_rate=float("nan"))),
-     "learning_rate.polynomial.initial_learning_rate"),
-    (_block(learning_rate=_polynomial(initial_learning_rate=float("inf"))),
-     "learning_rate.polynomial.initial_learning_rate"),
-    (_block(learning_rate=_polynomial(initial_learning_rate="0.1")),
-     "learning_rate.polynomial.initial_learning_rate"),
-    (_block(learning_rate={"type": "stepwise", "stepwise": {"boundaries": [10],
-                                                            "values": [0.1, -1.0]}}),
-     r"learning_rate.stepwise.values\[1\]"),
-    # Quoted booleans.
-    (_block(optimizer={"type": "adam", "adam": {"amsgrad": "false"}}), "optimizer.adam.amsgrad"),
-    (_block(optimizer={"type": "sgd", "sgd": {"nesterov": "false"}}), "optimizer.sgd.nesterov"),
-    (_block(learning_rate={"type": "exponential", "exponential": {
-        "initial_learning_rate": 0.1, "decay_steps": 10, "decay_rate": 0.5, "staircase": "false"}}),
-     "learning_rate.exponential.staircase"),
-    (_block(learning_rate=_polynomial(cycle="false")), "learning_rate.polynomial.cycle"),
-    # Step counts: strings, fractions, negatives, overflow.
-    (_block(learning_rate=_polynomial(decay_steps="1000")), "learning_rate.polynomial.decay_steps"),
-    (_block(learning_rate=_polynomial(decay_steps=10**30)), "learning_rate.polynomial.decay_steps"),
-    (_block(warmup={"type": "linear", "linear": {"warmup_steps": 0.5}}),
-     "warmup.linear.warmup_steps"),
-    (_block(warmup={"type": "linear", "linear": {"warmup_steps": 2.7}}),
-     "warmup.linear.warmup_steps"),
-    (_block(warmup={"type": "polynomial", "polynomial": {"warmup_steps": -5}}),
-     "warmup.polynomial.warmup_steps"),
-    (_block(warmup="linear"), "warmup"),
-    # Base types refuse what their VR twins refuse.
-    (_block(optimizer={"type": "adam", "adam": {"beta_1": 2.0}}), "optimizer.adam.beta_1"),
-    (_block(optimizer={"type": "sgd", "sgd": {"clipnorm": -1}}), "optimizer.sgd.clipnorm"),
-    (_block(optimizer={"type": "lamb", "lamb": {"gradient_accumulation_steps": 0}}),
-     "optimizer.lamb.gradient_accumulation_steps"),
-])
+@pytest.mark.parametrize(
+    "block,field",
+    [
+        # Learning rates: negative, NaN, infinite, quoted.
+        (
+            _block(learning_rate={"type": "constant", "constant": {"learning_rate": -0.1}}),
+            "learning_rate.constant.learning_rate",
+        ),
+        (
+            _block(learning_rate=_polynomial(initial_learning_rate=float("nan"))),
+            "learning_rate.polynomial.initial_learning_rate",
+        ),
+        (
+            _block(learning_rate=_polynomial(initial_learning_rate=float("inf"))),
+            "learning_rate.polynomial.initial_learning_rate",
+        ),
+        (
+            _block(learning_rate=_polynomial(initial_learning_rate="0.1")),
+            "learning_rate.polynomial.initial_learning_rate",
+        ),
+        (
+            _block(
+                learning_rate={
+                    "type": "stepwise",
+                    "stepwise": {"boundaries": [10], "values": [0.1, -1.0]},
+                }
+            ),
+            r"learning_rate.stepwise.values\[1\]",
+        ),
+        # Quoted booleans.
+        (
+            _block(optimizer={"type": "adam", "adam": {"amsgrad": "false"}}),
+            "optimizer.adam.amsgrad",
+        ),
+        (_block(optimizer={"type": "sgd", "sgd": {"nesterov": "false"}}), "optimizer.sgd.nesterov"),
+        (
+            _block(
+                learning_rate={
+                    "type": "exponential",
+                    "exponential": {
+                        "initial_learning_rate": 0.1,
+                        "decay_steps": 10,
+                        "decay_rate": 0.5,
+                        "staircase": "false",
+                    },
+                }
+            ),
+            "learning_rate.exponential.staircase",
+        ),
+        (_block(learning_rate=_polynomial(cycle="false")), "learning_rate.polynomial.cycle"),
+        # Step counts: strings, fractions, negatives, overflow.
+        (
+            _block(learning_rate=_polynomial(decay_steps="1000")),
+            "learning_rate.polynomial.decay_steps",
+        ),
+        (
+            _block(learning_rate=_polynomial(decay_steps=10**30)),
+            "learning_rate.polynomial.decay_steps",
+        ),
+        (
+            _block(warmup={"type": "linear", "linear": {"warmup_steps": 0.5}}),
+            "warmup.linear.warmup_steps",
+        ),
+        (
+            _block(warmup={"type": "linear", "linear": {"warmup_steps": 2.7}}),
+            "warmup.linear.warmup_steps",
+        ),
+        (
+            _block(warmup={"type": "polynomial", "polynomial": {"warmup_steps": -5}}),
+            "warmup.polynomial.warmup_steps",
+        ),
+        (_block(warmup="linear"), "warmup"),
+        # Base types refuse what their VR twins refuse.
+        (_block(optimizer={"type": "adam", "adam": {"beta_1": 2.0}}), "optimizer.adam.beta_1"),
+        (_block(optimizer={"type": "sgd", "sgd": {"clipnorm": -1}}), "optimizer.sgd.clipnorm"),
+        (
+            _block(optimizer={"type": "lamb", "lamb": {"gradient_accumulation_steps": 0}}),
+            "optimizer.lamb.gradient_accumulation_steps",
+        ),
+    ],
+)
 def test_bad_fields_raise_naming_field_and_value(block, field):
     with pytest.raises(ValueError, match=field):
         config.optimizer_from_config(block)

@@ -9,11 +9,11 @@ import keras
 import numpy as np
 import pytest
 
-import tf_vrgd
 from tests import helpers
 from tests import references as ref
 from tests.test_larc import reference_larc_sgd
 from tests.test_lars import reference_lars
+import tf_vrgd
 
 STEPS = 5
 SCALES = [1e-2, 5.0, 0.05, 0.3]

@@ -17,9 +17,7 @@ def _tensor(shape, scale):
 @pytest.mark.parametrize("w_scale,u_scale", [(5.0, 1e-3), (1e-3, 5.0), (1.0, 1.0)])
 def test_trust_ratio_matches_numpy(w_scale, u_scale):
     w, u = _tensor((7, 5), w_scale), _tensor((7, 5), u_scale)
-    got = functional.trust_ratio(
-        functional.l2_norm(w), functional.l2_norm(u), 0.01
-    )
+    got = functional.trust_ratio(functional.l2_norm(w), functional.l2_norm(u), 0.01)
     ref.assert_close(got, 0.01 * ref.norm(w) / ref.norm(u), "functional.trust_ratio")
 
 
@@ -65,7 +63,8 @@ def test_larc_gradient_leaves_zero_norm_variables_unchanged():
     )
     # Zero gradient: stays zero, no decay term added.
     np.testing.assert_array_equal(
-        functional.larc_gradient(tf.constant(zero), tf.constant(g), 0.1, 0.02, 1e-8, 0.5, True), zero
+        functional.larc_gradient(tf.constant(zero), tf.constant(g), 0.1, 0.02, 1e-8, 0.5, True),
+        zero,
     )
 
 
@@ -103,7 +102,9 @@ def test_gradient_moments_undo_keras_scaling(replicas, steps):
         tf.constant(scaled.sum(0)), tf.constant(np.square(scaled).sum(0)), replicas, steps
     )
     ref.assert_close(gbar, samples.astype(np.float64).mean(0), "functional.gradient_moments")
-    ref.assert_close(s, np.square(samples.astype(np.float64)).mean(0), "functional.gradient_moments")
+    ref.assert_close(
+        s, np.square(samples.astype(np.float64)).mean(0), "functional.gradient_moments"
+    )
 
 
 @pytest.mark.parametrize("gamma", [0.1, 0.5, 1.0])
@@ -136,7 +137,9 @@ def test_gsnr_is_invariant_to_scaling_all_samples():
         scaled = samples * c
         got = functional.gsnr_scale(
             tf.constant(scaled.mean(0), tf.float32),
-            tf.constant(np.square(scaled).mean(0), tf.float32), 0.1, 1e-6,
+            tf.constant(np.square(scaled).mean(0), tf.float32),
+            0.1,
+            1e-6,
         )
         ref.assert_close(got, base, "functional.gsnr_scale invariance", rtol=5e-5)
 
@@ -160,7 +163,7 @@ def test_gsnr_momentum_matches_numpy(beta_3):
 
 def test_adam_direction_matches_numpy():
     m, v, g = np.zeros(6), np.zeros(6), RNG.standard_normal(6)
-    new_m, new_v, direction = functional.adam_direction(
+    _, _, direction = functional.adam_direction(
         tf.zeros(6), tf.zeros(6), tf.constant(g, tf.float32), 0.9, 0.999, 1e-6, 1.0
     )
     m = 0.1 * g

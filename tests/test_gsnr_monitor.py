@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_vrgd
 from tests import helpers
 from tests import references as ref
+import tf_vrgd
 
 
 def _reference_statistics(samples_per_update, gamma):
@@ -50,8 +50,13 @@ def test_statistics_match_numpy_on_four_replicas(strategy, accumulation):
     stream = helpers.gradient_stream(shapes, 3 * steps, replicas=4, scales=[1.0, 0.1, 3.0, 0.01])
     _, _, optimizer = helpers.run_mirrored(
         strategy,
-        lambda: tf_vrgd.VRSGD(0.01, momentum=0.9, gamma=gamma, gradient_accumulation_steps=accumulation,
-                              track_gsnr_statistics=True),
+        lambda: tf_vrgd.VRSGD(
+            0.01,
+            momentum=0.9,
+            gamma=gamma,
+            gradient_accumulation_steps=accumulation,
+            track_gsnr_statistics=True,
+        ),
         stream,
     )
     samples = helpers.samples_per_update(stream, steps)
@@ -97,11 +102,16 @@ def test_monitor_logs_into_history_batches_and_tensorboard(strategy, tmp_path):
     x, y = _fit_data()
     with strategy.scope():
         model = helpers.make_model()
-        model.compile(optimizer=tf_vrgd.VRAdam(0.01, gamma=0.2, track_gsnr_statistics=True),
-                      loss="mse")
+        model.compile(
+            optimizer=tf_vrgd.VRAdam(0.01, gamma=0.2, track_gsnr_statistics=True), loss="mse"
+        )
     batch_logs = _BatchLogs()
     history = model.fit(
-        x, y, batch_size=64, epochs=2, verbose=0,
+        x,
+        y,
+        batch_size=64,
+        epochs=2,
+        verbose=0,
         callbacks=[
             tf_vrgd.GSNRMonitor(update_freq=2),
             batch_logs,
@@ -116,11 +126,16 @@ def test_monitor_logs_into_history_batches_and_tensorboard(strategy, tmp_path):
     sizes = {v.path: np.prod(v.shape) for v in model.trainable_variables}
     for path, stats in statistics.items():
         assert stats["updates"] == 4
-        for key, log_key in (("mean_gsnr", "gsnr_mean"), ("fraction_at_gamma", "gsnr_at_gamma"),
-                             ("fraction_at_one", "gsnr_at_one")):
+        for key, log_key in (
+            ("mean_gsnr", "gsnr_mean"),
+            ("fraction_at_gamma", "gsnr_at_gamma"),
+            ("fraction_at_one", "gsnr_at_one"),
+        ):
             values = history.history[f"{log_key}/{path}"]
             assert len(values) == 2 and values[-1] == pytest.approx(stats[key])
-    at_one = sum(sizes[p] * s["fraction_at_one"] for p, s in statistics.items()) / sum(sizes.values())
+    at_one = sum(sizes[p] * s["fraction_at_one"] for p, s in statistics.items()) / sum(
+        sizes.values()
+    )
     assert history.history["gsnr_at_one"][-1] == pytest.approx(at_one)
 
     events = glob.glob(str(tmp_path / "train" / "events.out.tfevents.*"))
@@ -131,17 +146,31 @@ def test_monitor_logs_into_history_batches_and_tensorboard(strategy, tmp_path):
         for record in tf.data.TFRecordDataset(event_file)
         for value in tf.compat.v1.Event.FromString(record.numpy()).summary.value
     }
-    assert {"epoch_gsnr_mean", "epoch_gsnr_at_gamma", "epoch_gsnr_at_one",
-            "epoch_gsnr_mean/sequential/dense/kernel"} <= tags
+    assert {
+        "epoch_gsnr_mean",
+        "epoch_gsnr_at_gamma",
+        "epoch_gsnr_at_one",
+        "epoch_gsnr_mean/sequential/dense/kernel",
+    } <= tags
 
 
 def test_monitor_finds_a_wrapped_vr_optimizer_and_refuses_others():
     x, y = _fit_data(64)
     model = helpers.make_model()
-    model.compile(optimizer=tf_vrgd.LARC(tf_vrgd.VRSGD(
-        0.01, gradient_accumulation_steps=2, track_gsnr_statistics=True)), loss="mse")
-    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
-                        callbacks=[tf_vrgd.GSNRMonitor(per_variable=False)])
+    model.compile(
+        optimizer=tf_vrgd.LARC(
+            tf_vrgd.VRSGD(0.01, gradient_accumulation_steps=2, track_gsnr_statistics=True)
+        ),
+        loss="mse",
+    )
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+        callbacks=[tf_vrgd.GSNRMonitor(per_variable=False)],
+    )
     assert set(history.history) == {"loss", "gsnr_mean", "gsnr_at_gamma", "gsnr_at_one"}
     assert np.isfinite(history.history["gsnr_mean"][0])
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_vrgd
 from tests import helpers
 from tests import references as ref
+import tf_vrgd
 
 EMA = dict(use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=1)
 
@@ -22,9 +22,10 @@ def test_ema_overwrite_on_one_device_matches_keras_adam():
     # gamma = 1, beta_3 = 0: VR-Adam is Adam, so the EMA overwrites must be too.
     stream = helpers.gradient_stream(_shapes(), 6, seed=31)
     results = []
-    for optimizer in (keras.optimizers.Adam(0.05, gradient_accumulation_steps=2, **EMA),
-                      tf_vrgd.VRAdam(0.05, gamma=1.0, beta_3=0.0,
-                                     gradient_accumulation_steps=2, **EMA)):
+    for optimizer in (
+        keras.optimizers.Adam(0.05, gradient_accumulation_steps=2, **EMA),
+        tf_vrgd.VRAdam(0.05, gamma=1.0, beta_3=0.0, gradient_accumulation_steps=2, **EMA),
+    ):
         model = helpers.make_model()
         helpers.apply_stream(optimizer, model.trainable_variables, stream, compiled=True)
         results.append(model.get_weights())
@@ -39,10 +40,12 @@ def test_ema_overwrite_under_mirrored_strategy_matches_keras_adam(strategy):
     stream = helpers.gradient_stream(_shapes(), 3, replicas=4, seed=32)
     model = helpers.make_model()
     mean = [[[g.astype(np.float32) for g in step]] for step in helpers.mean_over_replicas(stream)]
-    helpers.apply_stream(keras.optimizers.Adam(0.05, **EMA), model.trainable_variables, mean,
-                         compiled=True)
+    helpers.apply_stream(
+        keras.optimizers.Adam(0.05, **EMA), model.trainable_variables, mean, compiled=True
+    )
     _, vr, _ = helpers.run_mirrored(
-        strategy, lambda: tf_vrgd.VRAdam(0.05, gamma=1.0, beta_3=0.0, **EMA), stream)
+        strategy, lambda: tf_vrgd.VRAdam(0.05, gamma=1.0, beta_3=0.0, **EMA), stream
+    )
     for got, expected in zip(vr, model.get_weights()):
         ref.assert_close(got, expected, "VRAdam EMA overwrite vs Adam (4 replicas)", rtol=1e-5)
 
@@ -58,10 +61,17 @@ def test_plain_tf_variables_train_like_keras_variables(strategy, accumulation):
     for plain in (False, True):
         scope = strategy.scope() if replicas > 1 else tf.distribute.get_strategy().scope()
         with scope:
-            variables = ([tf.Variable(w, name=f"w{i}") for i, w in enumerate(initial)] if plain
-                         else [keras.Variable(w, name=f"w{i}") for i, w in enumerate(initial)])
-            optimizer = tf_vrgd.VRAdam(0.05, beta_3=0.9, gradient_accumulation_steps=accumulation,
-                                       track_gsnr_statistics=True)
+            variables = (
+                [tf.Variable(w, name=f"w{i}") for i, w in enumerate(initial)]
+                if plain
+                else [keras.Variable(w, name=f"w{i}") for i, w in enumerate(initial)]
+            )
+            optimizer = tf_vrgd.VRAdam(
+                0.05,
+                beta_3=0.9,
+                gradient_accumulation_steps=accumulation,
+                track_gsnr_statistics=True,
+            )
         if replicas > 1:
             helpers.apply_stream_mirrored(strategy, optimizer, variables, stream)
         else:
@@ -95,7 +105,9 @@ def test_zero_size_variable_with_accumulation_and_statistics():
     for key in ("gsnr_mean", "gsnr_at_gamma", "gsnr_at_one"):
         assert np.isfinite(logs[key]), key
     expected = [optimizer.gsnr_statistics()[v.path]["mean_gsnr"] for v in model.trainable_variables]
-    np.testing.assert_allclose(logs["gsnr_mean"], (6 * expected[0] + 2 * expected[1]) / 8, rtol=1e-6)
+    np.testing.assert_allclose(
+        logs["gsnr_mean"], (6 * expected[0] + 2 * expected[1]) / 8, rtol=1e-6
+    )
 
 
 def test_changing_statistics_tracking_after_build_is_refused():
@@ -158,7 +170,8 @@ def test_mid_accumulation_state_restores_under_another_replica_count(strategy, t
         restored_optimizer = tf_vrgd.VRSGD(0.5, gradient_accumulation_steps=2)
         restored_optimizer.build(restored.trainable_variables)
         tf.train.Checkpoint(model=restored, optimizer=restored_optimizer).restore(
-            path).assert_existing_objects_matched()
+            path
+        ).assert_existing_objects_matched()
     else:
         model.save(tmp_path / "model.keras")
         restored = keras.models.load_model(tmp_path / "model.keras")
@@ -171,8 +184,10 @@ def test_mid_accumulation_state_restores_under_another_replica_count(strategy, t
         w, m = ref.keras_sgd_step(w, g, slots[0], 0.5, 0.0)
         return w, [m]
 
-    samples = [np.stack([first[0][r][i] for r in range(4)] + [last[0][0][i]]).astype(np.float64)
-               for i in range(len(shapes))]
+    samples = [
+        np.stack([first[0][r][i] for r in range(4)] + [last[0][0][i]]).astype(np.float64)
+        for i in range(len(shapes))
+    ]
     expected = ref.VRReference(initial, sgd, 1, 0.1, 0.0).update(samples)
     for got, want in zip(restored.get_weights(), expected):
         ref.assert_close(got, want, f"VRSGD resumed mid-accumulation ({fmt})", rtol=1e-5)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_vrgd
 from tests import references as ref
+import tf_vrgd
 
 OPTIMIZERS = {
     "LARS": lambda: tf_vrgd.LARS(
@@ -224,7 +224,10 @@ def test_sparse_gradients_equal_dense(name):
     rng = np.random.default_rng(3)
     # Repeated ids in a batch: the IndexedSlices carry duplicate indices.
     batches = [
-        (rng.integers(0, 8, size=(16, 5)).astype(np.int32), rng.standard_normal((16, 2)).astype(np.float32))
+        (
+            rng.integers(0, 8, size=(16, 5)).astype(np.int32),
+            rng.standard_normal((16, 2)).astype(np.float32),
+        )
         for _ in range(4)
     ]
     results = []

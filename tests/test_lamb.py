@@ -4,9 +4,9 @@ import keras
 import numpy as np
 import pytest
 
-import tf_vrgd
 from tests import helpers
 from tests import references as ref
+import tf_vrgd
 
 STEPS = 6
 SCALES = [1e-2, 2.0, 5e-3, 1.0]
@@ -26,8 +26,15 @@ def _reference(initial, stream, decays, adapts, **hyper):
     for t, grads in enumerate(stream, start=1):
         for i, g in enumerate(grads):
             weights[i], slots[i][0], slots[i][1] = ref.lamb_step(
-                weights[i], g, slots[i][0], slots[i][1], t, LR,
-                decay=decays[i], adapt=adapts[i], **hyper
+                weights[i],
+                g,
+                slots[i][0],
+                slots[i][1],
+                t,
+                LR,
+                decay=decays[i],
+                adapt=adapts[i],
+                **hyper,
             )
     return weights
 
@@ -42,19 +49,29 @@ def _stream():
     [
         (dict(weight_decay_rate=0.01), [True] * 4, [True] * 4),
         # Model Garden: the adaptation list defaults to the decay list.
-        (dict(weight_decay_rate=0.01, exclude_from_weight_decay=["bias"]),
-         [True, False, True, False], [True, False, True, False]),
-        (dict(weight_decay_rate=0.01, exclude_from_weight_decay=["bias"],
-              exclude_from_layer_adaptation=["head"]),
-         [True, False, True, False], [True, True, False, False]),
+        (
+            dict(weight_decay_rate=0.01, exclude_from_weight_decay=["bias"]),
+            [True, False, True, False],
+            [True, False, True, False],
+        ),
+        (
+            dict(
+                weight_decay_rate=0.01,
+                exclude_from_weight_decay=["bias"],
+                exclude_from_layer_adaptation=["head"],
+            ),
+            [True, False, True, False],
+            [True, True, False, False],
+        ),
     ],
     ids=["decay", "exclusions", "separate-lists"],
 )
 def test_lamb_matches_reference(kwargs, decays, adapts):
     stream = _stream()
     initial, got = _run(tf_vrgd.LAMB(LR, **kwargs), stream)
-    expected = _reference(initial, stream, decays, adapts,
-                          weight_decay_rate=kwargs["weight_decay_rate"])
+    expected = _reference(
+        initial, stream, decays, adapts, weight_decay_rate=kwargs["weight_decay_rate"]
+    )
     for g, e in zip(got, expected):
         ref.assert_close(g, e, "LAMB")
 

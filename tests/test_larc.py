@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_vrgd
 from tests import helpers
 from tests import references as ref
+import tf_vrgd
 
 STEPS = 6
 LR = 0.1
@@ -27,7 +27,9 @@ def reference_larc_sgd(weights, stream, lr, momentum=0.0, nesterov=False, **larc
     for grads in stream:
         for i, g in enumerate(grads):
             g = ref.larc_gradient(weights[i], g, lr, **larc)
-            weights[i], slots[i] = ref.keras_sgd_step(weights[i], g, slots[i], lr, momentum, nesterov)
+            weights[i], slots[i] = ref.keras_sgd_step(
+                weights[i], g, slots[i], lr, momentum, nesterov
+            )
     return weights
 
 
@@ -78,9 +80,7 @@ def test_clip_is_active_on_some_variables_and_inactive_on_others():
     # Guards the reference tests above against inputs where the rule is inert.
     w = helpers.make_model().get_weights()
     g = _stream()[0]
-    factors = [
-        min(0.02 * ref.norm(wi) / (ref.norm(gi) + 1e-8) / LR, 1.0) for wi, gi in zip(w, g)
-    ]
+    factors = [min(0.02 * ref.norm(wi) / (ref.norm(gi) + 1e-8) / LR, 1.0) for wi, gi in zip(w, g)]
     assert factors[0] == 1.0 and factors[1] < 0.1
 
 
@@ -162,7 +162,10 @@ def test_larc_exposes_the_inner_optimizer_state():
         (lambda: tf_vrgd.LARC(keras.optimizers.SGD(), weight_decay=-0.1), "weight_decay"),
         (lambda: tf_vrgd.LARC(keras.optimizers.SGD(), clip=1), "clip"),
         (lambda: tf_vrgd.LARC(tf_vrgd.LARC(keras.optimizers.SGD())), "optimizer"),
-        (lambda: tf_vrgd.LARC(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())), "optimizer"),
+        (
+            lambda: tf_vrgd.LARC(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())),
+            "optimizer",
+        ),
     ],
 )
 def test_bad_arguments_raise(make, argument):

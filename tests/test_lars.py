@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_vrgd
 from tests import helpers
 from tests import references as ref
+import tf_vrgd
 
 STEPS = 6
 # Gradient scales per variable: kernel gradients tiny relative to their
@@ -61,7 +61,7 @@ def test_lars_matches_reference(hyper, compiled):
 
 def test_lars_exclusions_regex_and_keras_forms():
     shapes = [w.shape for w in helpers.make_model().get_weights()]
-    stream = [[[g for g in step[0]]] for step in helpers.gradient_stream(shapes, STEPS, scales=SCALES)]
+    stream = [[list(step[0])] for step in helpers.gradient_stream(shapes, STEPS, scales=SCALES)]
     # Regex form: biases get no decay; by default also no adaptation.
     initial, got = run_lars(
         stream, learning_rate=0.5, weight_decay_rate=0.05, exclude_from_weight_decay=["bias"]
@@ -82,8 +82,12 @@ def test_lars_exclusions_regex_and_keras_forms():
         exclude_from_layer_adaptation=["/head/"],
     )
     expected = reference_lars(
-        initial, [s[0] for s in stream], 0.5, decays=decays,
-        adapts=[True, True, False, False], weight_decay_rate=0.05,
+        initial,
+        [s[0] for s in stream],
+        0.5,
+        decays=decays,
+        adapts=[True, True, False, False],
+        weight_decay_rate=0.05,
     )
     for g, e in zip(got, expected):
         ref.assert_close(g, e, "LARS exclusions")
@@ -95,8 +99,12 @@ def test_lars_exclusions_regex_and_keras_forms():
 
     initial, got = run_lars(stream, learning_rate=0.5, weight_decay_rate=0.05, configure=configure)
     expected = reference_lars(
-        initial, [s[0] for s in stream], 0.5, decays=[True, False, True, True],
-        adapts=[True, True, True, False], weight_decay_rate=0.05,
+        initial,
+        [s[0] for s in stream],
+        0.5,
+        decays=[True, False, True, True],
+        adapts=[True, True, True, False],
+        weight_decay_rate=0.05,
     )
     for g, e in zip(got, expected):
         ref.assert_close(g, e, "LARS exclusions")
@@ -162,4 +170,5 @@ def test_none_gradient_leaves_variable_and_slot_untouched():
 def test_bad_hyper_parameters_raise(kwargs, argument):
     with pytest.raises(ValueError, match=argument) as info:
         tf_vrgd.LARS(**kwargs)
-    assert repr(list(kwargs.values())[0]) in str(info.value) or str(list(kwargs.values())[0]) in str(info.value)
+    value = next(iter(kwargs.values()))
+    assert repr(value) in str(info.value) or str(value) in str(info.value)

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-import tf_vrgd
 from tests import helpers
 from tests import multiworker_worker as worker
 from tests import references as ref
+import tf_vrgd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = 2
@@ -44,11 +44,17 @@ def worker_results(tmp_path_factory):
             TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
         )
-        log = open(directory / f"worker{index}.log", "w")
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.multiworker_worker", str(output)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        ))
+        # The child keeps its own copy of the file descriptor.
+        with open(directory / f"worker{index}.log", "w") as log:
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.multiworker_worker", str(output)],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         outputs.append(output)
     try:
         codes = [p.wait(timeout=TIMEOUT_S) for p in processes]
@@ -80,7 +86,9 @@ def test_two_workers_match_the_numpy_reference(worker_results):
     momentum = worker.VR_MOMENTUM["momentum"]
 
     def sgd_step(i, w, ghat, slots, t):
-        new_w, m = ref.keras_sgd_step(w, ghat, slots[0], worker.VR_MOMENTUM["learning_rate"], momentum)
+        new_w, m = ref.keras_sgd_step(
+            w, ghat, slots[0], worker.VR_MOMENTUM["learning_rate"], momentum
+        )
         return new_w, [m]
 
     reference = ref.VRReference(initial, sgd_step, 1, worker.VR_MOMENTUM["gamma"], beta_3=0.0)
@@ -102,11 +110,14 @@ def test_two_workers_with_accumulation_match_four_replicas(strategy, worker_resu
         ref.assert_close(got, want, "VR-Adam, 2 workers x 2 micro-steps vs 4 replicas", rtol=1e-5)
 
     def adam_step(i, w, ghat, slots, t):
-        new_w, m, v = ref.keras_adam_step(w, ghat, slots[0], slots[1], t, worker.VR_ADAM["learning_rate"])
+        new_w, m, v = ref.keras_adam_step(
+            w, ghat, slots[0], slots[1], t, worker.VR_ADAM["learning_rate"]
+        )
         return new_w, [m, v]
 
-    reference = ref.VRReference(helpers.make_model().get_weights(), adam_step, 2,
-                                worker.VR_ADAM["gamma"], beta_3=0.9)
+    reference = ref.VRReference(
+        helpers.make_model().get_weights(), adam_step, 2, worker.VR_ADAM["gamma"], beta_3=0.9
+    )
     for samples in helpers.samples_per_update(stream, 1):
         expected = reference.update(samples)
     for got, want in zip(_weights(worker_results[0], "adam"), expected):

@@ -19,15 +19,23 @@ def _script(name):
 
 
 def _row(optimizer, batch, multiplier, seed, accuracy, gap=0.01):
-    return {"optimizer": optimizer, "batch": batch, "lr_multiplier": multiplier, "seed": seed,
-            "best_test_accuracy": accuracy, "generalization_gap": gap}
+    return {
+        "optimizer": optimizer,
+        "batch": batch,
+        "lr_multiplier": multiplier,
+        "seed": seed,
+        "best_test_accuracy": accuracy,
+        "generalization_gap": gap,
+    }
 
 
 def test_sweep_reports_the_best_rate_and_its_seeds(tmp_path):
     sweep = _script("sweep")
     rows = [
-        _row("lamb", 8192, 0.5, 0, 0.80), _row("lamb", 8192, 1.0, 0, 0.84),
-        _row("lamb", 8192, 2.0, 0, 0.82), _row("lamb", 8192, 1.0, 1, 0.86),
+        _row("lamb", 8192, 0.5, 0, 0.80),
+        _row("lamb", 8192, 1.0, 0, 0.84),
+        _row("lamb", 8192, 2.0, 0, 0.82),
+        _row("lamb", 8192, 1.0, 1, 0.86),
         _row("vr_lamb", 8192, 1.0, 0, 0.85, gap=-0.002),
     ]
     path = tmp_path / "results.jsonl"
@@ -41,8 +49,9 @@ def test_sweep_reports_the_best_rate_and_its_seeds(tmp_path):
     table = sweep.report(results)
     assert "85.00±1.0" in table and "(x1;-0.2;1)" in table
 
-    args = sweep.parse_args(["--batches", "256", "8192", "--optimizers", "adam",
-                             "--lr-multipliers", "1", "2"])
+    args = sweep.parse_args(
+        ["--batches", "256", "8192", "--optimizers", "adam", "--lr-multipliers", "1", "2"]
+    )
     grid = sweep.grid(args)
     assert len(grid) == 2 * 2 * 2  # batches x {adam, vr_adam} x rates
     assert {sweep._key(r) for r in grid} >= {"vr_adam_b8192_lr2_s0", "adam_b256_lr1_s0"}
@@ -59,16 +68,35 @@ def test_bench_step_prints_ratios_and_traffic_with_accumulation(capsys):
 
     # The one-device set-up only: the mirrored one makes its own strategy
     # over the devices the test session's strategy uses.
-    args = _script("bench_step").parse_args([
-        "--setups", "accumulation", "--models", "mlp", "--mlp-parameters", "20000",
-        "--pairs", "Adam", "LARC", "--steps", "1", "--repeats", "1", "--batch", "8",
-    ])
+    args = _script("bench_step").parse_args(
+        [
+            "--setups",
+            "accumulation",
+            "--models",
+            "mlp",
+            "--mlp-parameters",
+            "20000",
+            "--pairs",
+            "Adam",
+            "LARC",
+            "--steps",
+            "1",
+            "--repeats",
+            "1",
+            "--batch",
+            "8",
+        ]
+    )
     benchmark.run(args, gpus=[])
     out = capsys.readouterr().out
     assert "memory copy bandwidth" in out
     rows = [line for line in out.splitlines() if "twin/base" in line]
     assert [line.split()[:2] for line in rows] == [
-        ["Adam", "update"], ["Adam", "train"], ["LARC", "update"], ["LARC", "train"]]
+        ["Adam", "update"],
+        ["Adam", "train"],
+        ["LARC", "update"],
+        ["LARC", "train"],
+    ]
     for line in rows:
         assert ("traffic/bandwidth" in line) == (" update " in line)
     assert "xla/no-xla" in rows[0] and "xla/no-xla" not in rows[2]

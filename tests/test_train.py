@@ -39,7 +39,7 @@ def _synthetic_split(count, seed):
     labels = rng.permutation(np.arange(count) % 10).astype(np.uint8)
     images = np.zeros((count, 28, 28), np.uint8)
     for label in range(10):  # a bright horizontal band per class, plus noise
-        images[labels == label, 2 * label + 4: 2 * label + 8, 4:24] = 200
+        images[labels == label, 2 * label + 4 : 2 * label + 8, 4:24] = 200
     noise = rng.integers(0, 60, size=(count, 28, 28), dtype=np.uint8)
     return images | (noise & 0b00110000), labels
 
@@ -63,7 +63,9 @@ def test_load_decodes_and_verifies_through_tfds(fashion):
     assert np.bincount(y).tolist() == [6000] * 10 and np.bincount(yt).tolist() == [1000] * 10
     # The bands were written per class: the decoded images carry them.
     assert np.all(x[y == 3][:, 12, 10, 0] >= 200)
-    assert os.path.exists(os.path.join(fashion[1], "fashion_mnist", "3.0.1", "fashion_mnist_arrays.npz"))
+    assert os.path.exists(
+        os.path.join(fashion[1], "fashion_mnist", "3.0.1", "fashion_mnist_arrays.npz")
+    )
 
 
 def test_truncated_file_is_named_and_leaves_nothing_prepared(fashion, tmp_path):
@@ -73,9 +75,9 @@ def test_truncated_file_is_named_and_leaves_nothing_prepared(fashion, tmp_path):
     with gzip.open(path, "rb") as f:
         content = f.read()
     with gzip.open(path, "wb") as f:  # a valid gzip whose IDX payload is cut short
-        f.write(content[:16 + 99984])
+        f.write(content[: 16 + 99984])
     cache = tmp_path / "cache"
-    with pytest.raises(ValueError, match="train-images-idx3-ubyte.gz.*truncated"):
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte\.gz.*truncated"):
         data.load(str(idx), str(cache))
     # Nothing that a later run with good files would trip on.
     assert not (cache / "fashion_mnist" / "3.0.1").exists()
@@ -114,17 +116,34 @@ def test_epoch_order_depends_only_on_seed_and_epoch():
     resumed = labels(data.dataset(x, y, 8, seed=3, epochs=3, initial_epoch=1))
     assert len(full) == 15 and resumed == full[5:]
     assert full[:5] != full[5:10]  # reshuffled every epoch
-    assert sorted(sum(full[:5], [])) == sorted(y.tolist())
+    assert sorted(label for batch in full[:5] for label in batch) == sorted(y.tolist())
 
 
 def _command(fashion, output, epochs, compare=False):
     idx, cache = fashion
     return [
-        sys.executable, "-m", "tf_vrgd.train",
-        "--config", os.path.join(ROOT, "configs", "fashion_mnist", "vr_lamb_b256.yaml"),
-        "--output", str(output), "--data-dir", idx, "--cache-dir", cache,
-        "--train-examples", "2048", "--batch-size", "512", "--epochs", str(epochs),
-        "--replicas", "2", "--deterministic", "--verbose", "0",
+        sys.executable,
+        "-m",
+        "tf_vrgd.train",
+        "--config",
+        os.path.join(ROOT, "configs", "fashion_mnist", "vr_lamb_b256.yaml"),
+        "--output",
+        str(output),
+        "--data-dir",
+        idx,
+        "--cache-dir",
+        cache,
+        "--train-examples",
+        "2048",
+        "--batch-size",
+        "512",
+        "--epochs",
+        str(epochs),
+        "--replicas",
+        "2",
+        "--deterministic",
+        "--verbose",
+        "0",
     ] + (["--compare"] if compare else [])
 
 
@@ -135,22 +154,36 @@ def _env():
 def _final_weights(run_dir):
     with h5py.File(os.path.join(run_dir, "final.weights.h5"), "r") as f:
         arrays = {}
-        f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
-                     if isinstance(obj, h5py.Dataset) else None)
+        f.visititems(
+            lambda name, obj: (
+                arrays.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None
+            )
+        )
     return arrays
 
 
 def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
     epochs = 2
     straight = tmp_path / "straight"
-    done = subprocess.run(_command(fashion, straight, epochs), env=_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        _command(fashion, straight, epochs),
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     # VR-LAMB (the config), killed once its first epoch is checkpointed.
     interrupted = tmp_path / "interrupted"
-    process = subprocess.Popen(_command(fashion, interrupted, epochs, compare=True), env=_env(),
-                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        _command(fashion, interrupted, epochs, compare=True),
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     first = interrupted / "vr_lamb" / "checkpoint-epoch1.keras"
     deadline = time.time() + 300
     while not first.exists() and process.poll() is None and time.time() < deadline:
@@ -160,8 +193,14 @@ def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
     assert first.exists() and not (interrupted / "vr_lamb" / "final.weights.h5").exists()
 
     # The same command resumes it, then trains the twin (LAMB) and reports both.
-    resumed = subprocess.run(_command(fashion, interrupted, epochs, compare=True), env=_env(),
-                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        _command(fashion, interrupted, epochs, compare=True),
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after epoch" in resumed.stdout
     expected, got = _final_weights(straight / "vr_lamb"), _final_weights(interrupted / "vr_lamb")
@@ -173,7 +212,7 @@ def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
     assert [r["epoch"] for r in records] == list(range(epochs))
     assert all(0 <= r["gsnr_at_gamma/conv1/kernel"] <= 1 for r in records)
 
-    table = resumed.stdout[resumed.stdout.index("test_acc"):]
+    table = resumed.stdout[resumed.stdout.index("test_acc") :]
     assert "vr_lamb" in table and "\n   lamb" in table
     for name in ("accuracy.png", "loss.png", "gsnr_vr_lamb.png", "summary.json", "summary.txt"):
         assert (interrupted / name).exists(), name
@@ -184,8 +223,9 @@ def test_overrides_rescale_the_schedule_and_the_rate():
 
     path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
     cfg = config.load(path)
-    args = train.parse_args(["--config", path, "--output", "unused", "--batch-size", "2048",
-                             "--epochs", "2"])
+    args = train.parse_args(
+        ["--config", path, "--output", "unused", "--batch-size", "2048", "--epochs", "2"]
+    )
     experiment = train.Experiment(cfg, args)
     assert (experiment.batch_size, experiment.epochs, experiment.steps_per_epoch) == (2048, 2, 29)
     lr = experiment.block["learning_rate"]["cosine"]
@@ -197,7 +237,9 @@ def test_overrides_rescale_the_schedule_and_the_rate():
     with pytest.raises(SystemExit):
         train.parse_args(["--config", path, "--output", "x", "--epochs", "0"])
     with pytest.raises(ValueError, match="does not split over 3 replicas"):
-        train.Experiment(cfg, train.parse_args(["--config", path, "--output", "x", "--replicas", "3"]))
+        train.Experiment(
+            cfg, train.parse_args(["--config", path, "--output", "x", "--replicas", "3"])
+        )
 
 
 def _experiment(argv):
@@ -220,10 +262,12 @@ def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
     (run_dir / "metrics.jsonl").write_text("")
     # The same command resumes.
     train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
-    for change, said in ((["--epochs", "2"], "epochs: 1 then, 2 now"),
-                         (["--epochs", "1", "--seed", "5"], "seed: 0 then, 5 now"),
-                         (["--epochs", "1", "--batch-size", "4096"], "batch_size"),
-                         (["--epochs", "1", "--compare"], "compare")):
+    for change, said in (
+        (["--epochs", "2"], "epochs: 1 then, 2 now"),
+        (["--epochs", "1", "--seed", "5"], "seed: 0 then, 5 now"),
+        (["--epochs", "1", "--batch-size", "4096"], "batch_size"),
+        (["--epochs", "1", "--compare"], "compare"),
+    ):
         experiment, args = _experiment(base + change)
         with pytest.raises(SystemExit, match=f"{said}.*--restart"):
             train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
@@ -250,8 +294,9 @@ def test_compare_checks_every_run_before_training(tmp_path):
     from tf_vrgd import train
 
     config_path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
-    experiment, _ = _experiment(["--config", config_path, "--output", str(tmp_path),
-                                 "--replicas", "1", "--compare"])
+    experiment, _ = _experiment(
+        ["--config", config_path, "--output", str(tmp_path), "--replicas", "1", "--compare"]
+    )
     train.check_runs(experiment, compare=False)  # LAMB alone trains on one replica
-    with pytest.raises(SystemExit, match="'vr_lamb' cannot train.*k >= 2"):
+    with pytest.raises(SystemExit, match=r"'vr_lamb' cannot train.*k >= 2"):
         train.check_runs(experiment, compare=True)

@@ -2,15 +2,17 @@
 and VR-LARS (docs/algorithms.md §1-4), on distinct data per replica, with
 gradient accumulation, and the properties of §2."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_vrgd
-from tf_vrgd import _gsnr
 from tests import helpers
 from tests import references as ref
+import tf_vrgd
+from tf_vrgd import _gsnr
 
 SCALES = [1e-2, 1.0, 5e-2, 0.3]
 UPDATES = 5
@@ -24,7 +26,11 @@ def update_path(request, monkeypatch):
     """Both update paths in every test here: the kernels (48 and 18
     elements) in the fused XLA program, the biases packed; tests
     parametrized on `path` choose."""
-    path = request.node.callspec.params.get("path", "mixed") if hasattr(request.node, "callspec") else "mixed"
+    path = (
+        request.node.callspec.params.get("path", "mixed")
+        if hasattr(request.node, "callspec")
+        else "mixed"
+    )
     monkeypatch.setattr(_gsnr, "PACKED_MAX_ELEMENTS", PACKING[path])
     return path
 
@@ -32,33 +38,57 @@ def update_path(request, monkeypatch):
 def _base_step(name, lr, **hyper):
     """numpy base rule on ghat for each class; returns (step_fn, slot_count)."""
     if name == "VRSGD":
+
         def step(i, w, g, slots, t):
-            w, m = ref.keras_sgd_step(w, g, slots[0], lr, hyper.get("momentum", 0.0), hyper.get("nesterov", False))
+            w, m = ref.keras_sgd_step(
+                w, g, slots[0], lr, hyper.get("momentum", 0.0), hyper.get("nesterov", False)
+            )
             return w, [m]
+
         return step, 1
     if name == "VRAdam":
+
         def step(i, w, g, slots, t):
             w, m, v = ref.keras_adam_step(w, g, slots[0], slots[1], t, lr)
             return w, [m, v]
+
         return step, 2
     if name == "VRLARS":
         decays = hyper.get("decays", [True] * 4)
+
         def step(i, w, g, slots, t):
             w, v = ref.lars_step(
-                w, g, slots[0], lr, hyper.get("momentum", 0.9), hyper.get("nesterov", False),
-                hyper.get("trust_coefficient", 0.001), hyper.get("weight_decay_rate", 0.0),
-                decay=decays[i], adapt=decays[i],
+                w,
+                g,
+                slots[0],
+                lr,
+                hyper.get("momentum", 0.9),
+                hyper.get("nesterov", False),
+                hyper.get("trust_coefficient", 0.001),
+                hyper.get("weight_decay_rate", 0.0),
+                decay=decays[i],
+                adapt=decays[i],
             )
             return w, [v]
+
         return step, 1
     if name == "VRLAMB":
         decays = hyper.get("decays", [True] * 4)
+
         def step(i, w, g, slots, t):
             w, m, v = ref.lamb_step(
-                w, g, slots[0], slots[1], t, lr,
-                weight_decay_rate=hyper.get("weight_decay_rate", 0.0), decay=decays[i], adapt=decays[i],
+                w,
+                g,
+                slots[0],
+                slots[1],
+                t,
+                lr,
+                weight_decay_rate=hyper.get("weight_decay_rate", 0.0),
+                decay=decays[i],
+                adapt=decays[i],
             )
             return w, [m, v]
+
         return step, 2
     raise ValueError(name)
 
@@ -67,16 +97,21 @@ CASES = {
     "VR-SGD": ("VRSGD", 0.5, dict(), dict()),
     "VR-Momentum": ("VRSGD", 0.5, dict(momentum=0.9), dict(momentum=0.9)),
     "VR-Momentum nesterov beta_3": (
-        "VRSGD", 0.5, dict(momentum=0.9, nesterov=True, beta_3=0.5), dict(momentum=0.9, nesterov=True)
+        "VRSGD",
+        0.5,
+        dict(momentum=0.9, nesterov=True, beta_3=0.5),
+        dict(momentum=0.9, nesterov=True),
     ),
     "VR-Adam": ("VRAdam", 0.05, dict(), dict()),
     "VR-LARS": (
-        "VRLARS", 2.0,
+        "VRLARS",
+        2.0,
         dict(trust_coefficient=0.01, weight_decay_rate=0.01, exclude_from_weight_decay=["bias"]),
         dict(trust_coefficient=0.01, weight_decay_rate=0.01, decays=[True, False, True, False]),
     ),
     "VR-LAMB": (
-        "VRLAMB", 0.05,
+        "VRLAMB",
+        0.05,
         dict(weight_decay_rate=0.01, exclude_from_weight_decay=["bias"]),
         dict(weight_decay_rate=0.01, decays=[True, False, True, False]),
     ),
@@ -206,7 +241,9 @@ def test_single_sample_raises_with_a_remedy():
     model = helpers.make_model()
     optimizer = tf_vrgd.VRAdam()
     with pytest.raises(ValueError, match=r"k >= 2.*gradient_accumulation_steps >= 2"):
-        optimizer.apply([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables)
+        optimizer.apply(
+            [tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables
+        )
 
 
 @pytest.mark.parametrize("cls", [tf_vrgd.VRSGD, tf_vrgd.VRAdam, tf_vrgd.VRLARS, tf_vrgd.VRLAMB])
@@ -230,8 +267,11 @@ def test_bad_hyper_parameters_raise(cls, kwargs, argument):
 def test_xla_update_equals_non_xla_under_mirrored_strategy(strategy):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=17)
     for name in ("VRAdam", "VRLARS"):  # one adaptive and one layer-wise rule
-        _, xla, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](jit_update=True), stream)
-        _, plain, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](jit_update=False), stream)
+        make = TWINS[name]
+        _, xla, _ = helpers.run_mirrored(strategy, functools.partial(make, jit_update=True), stream)
+        _, plain, _ = helpers.run_mirrored(
+            strategy, functools.partial(make, jit_update=False), stream
+        )
         for g, e in zip(xla, plain):
             ref.assert_close(g, e, f"{name} XLA vs non-XLA update", rtol=1e-5)
 
@@ -244,7 +284,9 @@ def test_accumulators_hold_each_replicas_own_sums(strategy):
     runs = []
     for seed, jit_update in ((20, True), (21, True), (22, False)):
         with strategy.scope():
-            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6), keras.layers.Dense(6)])
+            model = keras.Sequential(
+                [keras.Input((6,)), keras.layers.Dense(6), keras.layers.Dense(6)]
+            )
             optimizer = tf_vrgd.VRAdam(gradient_accumulation_steps=2, jit_update=jit_update)
         stream = helpers.gradient_stream(shapes, 2, replicas=4, seed=seed)
         helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[:1])
@@ -263,16 +305,22 @@ def test_accumulators_hold_each_replicas_own_sums(strategy):
     optimizer, model, stream = runs[0]
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[1:])
     assert int(optimizer.iterations.numpy()) == 1
-    for slot in optimizer._accumulated_gradients + optimizer._accumulated_squares + [
-            optimizer._accumulated_samples]:
+    for slot in (
+        optimizer._accumulated_gradients
+        + optimizer._accumulated_squares
+        + [optimizer._accumulated_samples]
+    ):
         for value in strategy.experimental_local_results(slot.value):
             assert not np.any(value.numpy())
 
 
 def _update_traces(optimizer):
     """Traces of the optimizer's compiled update programs."""
-    return sum(f.compiled.experimental_get_tracing_count()
-               for f in optimizer._variable_updates.values() if f.compiled is not None)
+    return sum(
+        f.compiled.experimental_get_tracing_count()
+        for f in optimizer._variable_updates.values()
+        if f.compiled is not None
+    )
 
 
 def test_update_is_traced_once(strategy):
@@ -316,6 +364,7 @@ def test_larc_wraps_a_vr_optimizer(strategy):
     initial, got, _ = helpers.run_mirrored(
         strategy, lambda: tf_vrgd.LARC(tf_vrgd.VRSGD(0.5, momentum=0.9)), stream
     )
+
     # LARC sees the gradient the base rule sees: ghat.
     def step(i, w, g, slots, t):
         g = ref.larc_gradient(w, g, 0.5)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_vrgd
 from tests import references as ref
+import tf_vrgd
 
 VR = {
     "VR-SGD": lambda **k: tf_vrgd.VRSGD(0.05, **k),
@@ -19,7 +19,9 @@ VR = {
     "VR-LARS": lambda **k: tf_vrgd.VRLARS(
         2.0, trust_coefficient=0.02, weight_decay_rate=1e-4, exclude_from_weight_decay=["bias"], **k
     ),
-    "VR-LAMB": lambda **k: tf_vrgd.VRLAMB(0.01, weight_decay_rate=1e-3, exclude_from_layer_adaptation=["bias"], **k),
+    "VR-LAMB": lambda **k: tf_vrgd.VRLAMB(
+        0.01, weight_decay_rate=1e-3, exclude_from_layer_adaptation=["bias"], **k
+    ),
 }
 
 
@@ -29,7 +31,7 @@ def _images(n=512, seed=0):
     x = rng.normal(0, 0.3, (n, 10, 10, 1)).astype(np.float32)
     for label in range(4):  # a bright quadrant per class
         r, c = divmod(label, 2)
-        x[y == label, r * 5:(r + 1) * 5, c * 5:(c + 1) * 5, 0] += 1.0
+        x[y == label, r * 5 : (r + 1) * 5, c * 5 : (c + 1) * 5, 0] += 1.0
     return x, y
 
 
@@ -80,7 +82,9 @@ def test_fit_with_accumulation_under_mirrored_strategy(strategy):
 def test_jit_compiled_model_with_accumulation_on_one_device():
     x, y = _images()
     keras.utils.set_random_seed(0)
-    model = _compile(_conv_model(), tf_vrgd.VRAdam(0.003, gradient_accumulation_steps=4), jit_compile=True)
+    model = _compile(
+        _conv_model(), tf_vrgd.VRAdam(0.003, gradient_accumulation_steps=4), jit_compile=True
+    )
     _assert_trains(model, x, y, batch_size=32, epochs=3)
 
 
@@ -121,7 +125,9 @@ def test_checkpoint_lockstep_under_mirrored_strategy(strategy, name, tmp_path):
         with strategy.scope():
             keras.utils.set_random_seed(0)
             # State handling does not depend on XLA (tested elsewhere).
-            return _compile(_conv_model(), VR[name](gradient_accumulation_steps=2, jit_update=False))
+            return _compile(
+                _conv_model(), VR[name](gradient_accumulation_steps=2, jit_update=False)
+            )
 
     straight = make()
     straight.fit(dataset, epochs=2, verbose=0)
@@ -133,7 +139,9 @@ def test_checkpoint_lockstep_under_mirrored_strategy(strategy, name, tmp_path):
     resumed = make()
     with strategy.scope():
         resumed.optimizer.build(resumed.trainable_variables)
-    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(prefix).assert_existing_objects_matched()
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(
+        prefix
+    ).assert_existing_objects_matched()
     resumed.fit(dataset.skip(5), epochs=1, verbose=0)
     resumed.fit(dataset, epochs=1, verbose=0)
     for a, b in zip(straight.get_weights(), resumed.get_weights()):
@@ -150,9 +158,7 @@ def test_state_is_base_plus_gsnr_momentum_plus_squares(name, accumulation):
     parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     optimizer = VR[name](gradient_accumulation_steps=accumulation)
     optimizer.build(model.trainable_variables)
-    state = sum(
-        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables
-    )
+    state = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables)
     slots = BASE_SLOTS[name] + (optimizer.beta_3 > 0)
     scalars = 8 + 4  # int64 iteration, float32 learning rate
     if accumulation:
@@ -171,8 +177,12 @@ def test_sparse_gradients_equal_dense(strategy, name):
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = keras.Sequential(
-                [keras.Input((5,), dtype="int32"), keras.layers.Embedding(12, 4),
-                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)]
+                [
+                    keras.Input((5,), dtype="int32"),
+                    keras.layers.Embedding(12, 4),
+                    keras.layers.GlobalAveragePooling1D(),
+                    keras.layers.Dense(2),
+                ]
             )
             # Densifying happens before the per-variable update; the XLA
             # path is tested elsewhere, and compiling it here doubles the time.
@@ -213,9 +223,13 @@ def test_loss_scale_optimizer_skips_non_finite_steps_and_keeps_all_state(strateg
     @tf.function
     def step(value):
         def replica_fn():
-            grads = [tf.fill(v.shape, value) * tf.cast(
-                tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32)
-                for v in model.trainable_variables]
+            grads = [
+                tf.fill(v.shape, value)
+                * tf.cast(
+                    tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32
+                )
+                for v in model.trainable_variables
+            ]
             optimizer.apply(grads, model.trainable_variables)
 
         strategy.run(replica_fn)
@@ -253,11 +267,18 @@ def test_keras_private_update_path_is_unchanged():
 
     base = base_optimizer.BaseOptimizer
     assert list(inspect.signature(base._backend_apply_gradients).parameters) == [
-        "self", "grads", "trainable_variables"
+        "self",
+        "grads",
+        "trainable_variables",
     ], "keras BaseOptimizer._backend_apply_gradients changed its signature"
     source = inspect.getsource(base._backend_apply_gradients)
-    for name in ("_accumulated_gradients", "_clip_gradients", "_apply_weight_decay",
-                 "_backend_update_step", "_update_model_variables_moving_average"):
+    for name in (
+        "_accumulated_gradients",
+        "_clip_gradients",
+        "_apply_weight_decay",
+        "_backend_update_step",
+        "_update_model_variables_moving_average",
+    ):
         assert name in source, f"keras BaseOptimizer._backend_apply_gradients no longer uses {name}"
     apply_source = inspect.getsource(base.apply)
     assert "self._backend_apply_gradients(grads, trainable_variables)" in apply_source, (

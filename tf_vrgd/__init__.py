@@ -18,14 +18,14 @@ from tf_vrgd.vr_sgd import VRSGD
 __version__ = "0.1.0"
 
 __all__ = [
-    "GSNRMonitor",
     "LAMB",
     "LARC",
     "LARS",
-    "VRAdam",
     "VRLAMB",
     "VRLARS",
     "VRSGD",
-    "functional",
+    "GSNRMonitor",
+    "VRAdam",
     "__version__",
+    "functional",
 ]

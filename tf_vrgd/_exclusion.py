@@ -29,8 +29,7 @@ class LayerwiseExclusionMixin:
     `_build_exclusions(variables)` in `build` after `super().build`.
     """
 
-    def _init_exclusions(self, exclude_from_weight_decay,
-                         exclude_from_layer_adaptation):
+    def _init_exclusions(self, exclude_from_weight_decay, exclude_from_layer_adaptation):
         self._weight_decay_patterns = _validation.check_regex_list(
             "exclude_from_weight_decay", exclude_from_weight_decay
         )
@@ -53,9 +52,9 @@ class LayerwiseExclusionMixin:
         self._check_not_built("exclude_from_weight_decay")
         super().exclude_from_weight_decay(var_list=var_list)
         if var_names:
-            self._weight_decay_patterns = list(
-                self._weight_decay_patterns or []
-            ) + list(_validation.check_regex_list("var_names", list(var_names)))
+            self._weight_decay_patterns = list(self._weight_decay_patterns or []) + list(
+                _validation.check_regex_list("var_names", list(var_names))
+            )
 
     def exclude_from_layer_adaptation(self, var_list=None, var_names=None):
         """Excludes variables from the layer-wise trust ratio. Call before
@@ -68,20 +67,15 @@ class LayerwiseExclusionMixin:
         """
         self._check_not_built("exclude_from_layer_adaptation")
         if var_list:
-            self._layer_adaptation_var_keys |= {
-                self._var_key(variable) for variable in var_list
-            }
+            self._layer_adaptation_var_keys |= {self._var_key(variable) for variable in var_list}
         if var_names:
-            self._layer_adaptation_patterns = list(
-                self._layer_adaptation_patterns or []
-            ) + list(_validation.check_regex_list("var_names", list(var_names)))
+            self._layer_adaptation_patterns = list(self._layer_adaptation_patterns or []) + list(
+                _validation.check_regex_list("var_names", list(var_names))
+            )
 
     def _check_not_built(self, method):
         if self.built:
-            raise ValueError(
-                f"`{method}()` can only be called before the optimizer is "
-                "built."
-            )
+            raise ValueError(f"`{method}()` can only be called before the optimizer is built.")
 
     @staticmethod
     def _matches(patterns, variable):

@@ -31,9 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_vrgd import _validation
-from tf_vrgd import functional
-
+from tf_vrgd import _validation, functional
 
 # Variables of at most this many elements (64 KiB in float32) are updated
 # together by `GSNRMixin._packed_update` instead of one by one in the XLA
@@ -77,14 +75,9 @@ class GSNRMixin:
     `_init_gsnr` from `__init__` and list this mixin before the base
     optimizer class."""
 
-    def _init_gsnr(self, gamma, beta_3, gsnr_epsilon, jit_update,
-                   track_gsnr_statistics=False):
-        self.gamma = _validation.check_number(
-            "gamma", gamma, low=0.0, high=1.0, low_open=True
-        )
-        self.beta_3 = _validation.check_number(
-            "beta_3", beta_3, low=0.0, high=1.0, high_open=True
-        )
+    def _init_gsnr(self, gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics=False):
+        self.gamma = _validation.check_number("gamma", gamma, low=0.0, high=1.0, low_open=True)
+        self.beta_3 = _validation.check_number("beta_3", beta_3, low=0.0, high=1.0, high_open=True)
         self.gsnr_epsilon = _validation.check_number(
             "gsnr_epsilon", gsnr_epsilon, low=0.0, low_open=True
         )
@@ -136,19 +129,23 @@ class GSNRMixin:
             # into the mean over the samples actually taken.
             on_read = dict(synchronization="on_read", aggregation="sum")
             self._accumulated_gradients = float32_slots("gradient_accumulator", **on_read)
-            self._accumulated_squares = float32_slots(
-                "squared_gradient_accumulator", **on_read
-            )
+            self._accumulated_squares = float32_slots("squared_gradient_accumulator", **on_read)
             with keras.name_scope(self.name, caller=self):
                 self._accumulated_samples = keras.Variable(
-                    initializer="zeros", shape=(), dtype="float32", trainable=False,
-                    name="gsnr_sample_count", **on_read)  # tracked on assignment
+                    initializer="zeros",
+                    shape=(),
+                    dtype="float32",
+                    trainable=False,
+                    name="gsnr_sample_count",
+                    **on_read,
+                )  # tracked on assignment
         else:
             self._accumulated_squares = None
         # Diagnostics, not state: kept out of `variables` and checkpoints.
         self._gsnr_monitor = _Untracked(
             float32_slots("gsnr_statistics", shape=(4,), track=False)
-            if self.track_gsnr_statistics else [None] * len(var_list)
+            if self.track_gsnr_statistics
+            else [None] * len(var_list)
         )
         self._variable_updates = {}
         self._moment_accumulations = {}
@@ -199,8 +196,9 @@ class GSNRMixin:
         if self.gradient_accumulation_steps:
             # After the update has read the sums (reads are ordered before
             # later writes to the same variable).
-            tf.cond(is_update_step, functools.partial(self._reset_accumulators, indices),
-                    lambda: None)
+            tf.cond(
+                is_update_step, functools.partial(self._reset_accumulators, indices), lambda: None
+            )
         if self.use_ema:
             # Keras' own order and cadence (once per `apply`, micro-steps
             # included), so that the averages match the base optimizer's.
@@ -215,9 +213,7 @@ class GSNRMixin:
         del distribution  # Keras' method uses the optimizer's own.
         tf.cond(
             tf.equal((self.iterations + 1) % self.ema_overwrite_frequency, 0),
-            lambda: self._overwrite_model_variables_with_average_value(
-                self._trainable_variables
-            ),
+            lambda: self._overwrite_model_variables_with_average_value(self._trainable_variables),
             lambda: None,
         )
 
@@ -316,8 +312,14 @@ class GSNRMixin:
             distribution.extended.update_non_slot(
                 distribution.extended.non_slot_devices(tf_variables),
                 self._device_update(tuple(indices)),
-                args=(reduced[:count], reduced[count:2 * count], sample_count, learning_rate,
-                      step, distribution.num_replicas_in_sync),
+                args=(
+                    reduced[:count],
+                    reduced[count : 2 * count],
+                    sample_count,
+                    learning_rate,
+                    step,
+                    distribution.num_replicas_in_sync,
+                ),
                 group=False,
             )
 
@@ -364,11 +366,23 @@ class GSNRMixin:
 
         def device_update(sums, squares, samples, learning_rate, step, replicas):
             if fused:
-                fused_update([sums[j] for j in fused], [squares[j] for j in fused], samples,
-                             learning_rate, step, replicas)
+                fused_update(
+                    [sums[j] for j in fused],
+                    [squares[j] for j in fused],
+                    samples,
+                    learning_rate,
+                    step,
+                    replicas,
+                )
             if packed:
-                packed_update([sums[j] for j in packed], [squares[j] for j in packed], samples,
-                              learning_rate, step, replicas)
+                packed_update(
+                    [sums[j] for j in packed],
+                    [squares[j] for j in packed],
+                    samples,
+                    learning_rate,
+                    step,
+                    replicas,
+                )
 
         # The compiled program, whose traces the tests count.
         device_update.compiled = fused_update if fused and self.jit_update else None
@@ -399,8 +413,10 @@ class GSNRMixin:
         if not indices:
             return None
         variables = [_tf_variable(self._trainable_variables[i]) for i in indices]
-        decays = [bool(self.weight_decay) and self._use_weight_decay(self._trainable_variables[i])
-                  for i in indices]
+        decays = [
+            bool(self.weight_decay) and self._use_weight_decay(self._trainable_variables[i])
+            for i in indices
+        ]
         momentum_slots = [self._gsnr_momentums[i] for i in indices]
         statistics_slots = [self._gsnr_monitor.value[i] for i in indices]
         sizes = [v.shape.num_elements() for v in variables]
@@ -413,7 +429,8 @@ class GSNRMixin:
             hyper = self._shared_scalars(step)
             segments = tf.constant(segment_ids)
             gradient_mean, second_moment = _moments(
-                flatten(sums), flatten(squares), samples, replicas)
+                flatten(sums), flatten(squares), samples, replicas
+            )
             gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
             scale, layer_means = functional.segment_normalized_clipped_gsnr(
                 gsnr, segments, sizes, hyper["gamma"]
@@ -454,7 +471,8 @@ class GSNRMixin:
 
         def vr_update(sum_of_gradients, sum_of_squares, samples, learning_rate, hyper, replicas):
             gradient_mean, second_moment = _moments(
-                sum_of_gradients, sum_of_squares, samples, replicas)
+                sum_of_gradients, sum_of_squares, samples, replicas
+            )
             gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
             scale = functional.normalized_clipped_gsnr(gsnr, hyper["gamma"])
             if statistics_slot is not None:
@@ -477,9 +495,7 @@ class GSNRMixin:
                     * tf.cast(self.weight_decay, variable.dtype)
                     * tf.cast(learning_rate, variable.dtype)
                 )
-            self.update_step(
-                tf.cast(scaled_gradient, variable.dtype), variable, learning_rate
-            )
+            self.update_step(tf.cast(scaled_gradient, variable.dtype), variable, learning_rate)
 
         return vr_update
 

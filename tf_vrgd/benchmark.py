@@ -76,23 +76,26 @@ def mlp(parameters=10_000_000, inputs=784, outputs=10):
 def resnet50(classes=10):
     """`keras.applications.ResNet50` on 32x32x3 inputs, untrained: 214
     trainable variables (161 of them batch-norm scales and offsets)."""
-    return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=classes,
-                                       classifier_activation=None)
+    return keras.applications.ResNet50(
+        weights=None, input_shape=(32, 32, 3), classes=classes, classifier_activation=None
+    )
 
 
 class _PositionEmbedding(keras.layers.Layer):
     """Adds a learned embedding of each position to its token embedding."""
 
     def build(self, input_shape):
-        self.embeddings = self.add_weight(shape=input_shape[1:], initializer="random_normal",
-                                          name="embeddings")
+        self.embeddings = self.add_weight(
+            shape=input_shape[1:], initializer="random_normal", name="embeddings"
+        )
 
     def call(self, inputs):
         return inputs + self.embeddings
 
 
-def encoder(blocks=12, hidden=256, heads=4, intermediate=1024, vocabulary=1000,
-            sequence=32, classes=10):
+def encoder(
+    blocks=12, hidden=256, heads=4, intermediate=1024, vocabulary=1000, sequence=32, classes=10
+):
     """A BERT-style encoder built from Keras layers: token and position
     embeddings, `blocks` post-norm transformer blocks (`MultiHeadAttention`,
     `LayerNormalization`, a two-`Dense` feed-forward) and a classifier on
@@ -136,9 +139,7 @@ class Candidate:
         ]
         x, y = batch
         self._x, self._y = tf.constant(x), tf.constant(y)
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction="none"
-        )
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
         global_batch = int(x.shape[0])
 
         @tf.function
@@ -155,8 +156,8 @@ class Candidate:
             def replica_fn():
                 replica = tf.distribute.get_replica_context().replica_id_in_sync_group
                 local = global_batch // replicas
-                xs = self._x[replica * local:(replica + 1) * local]
-                ys = self._y[replica * local:(replica + 1) * local]
+                xs = self._x[replica * local : (replica + 1) * local]
+                ys = self._y[replica * local : (replica + 1) * local]
                 with tf.GradientTape() as tape:
                     loss = tf.nn.compute_average_loss(
                         loss_fn(ys, self.model(xs, training=True)),
@@ -201,7 +202,7 @@ def collective_times(strategy, parameters, steps=5, repeats=7):
 
     functions = {"sum": make(False), "sum and squares": make(True)}
     samples = {name: [] for name in functions}
-    for name, fn in functions.items():
+    for fn in functions.values():
         fn()
     for _ in range(repeats):
         for name, fn in functions.items():
@@ -239,16 +240,27 @@ def pairs():
     import tf_vrgd
 
     return {
-        "Momentum": (lambda **k: keras.optimizers.SGD(0.01, momentum=0.9, **k),
-                     lambda **k: tf_vrgd.VRSGD(0.01, momentum=0.9, **k), "SGD"),
-        "Adam": (lambda **k: keras.optimizers.Adam(1e-3, **k),
-                 lambda **k: tf_vrgd.VRAdam(1e-3, **k), "Adam"),
-        "LAMB": (lambda **k: keras.optimizers.Lamb(1e-3, **k),
-                 lambda **k: tf_vrgd.VRLAMB(1e-3, **k), "Lamb"),
-        "LARS": (lambda **k: tf_vrgd.LARS(0.1, **k),
-                 lambda **k: tf_vrgd.VRLARS(0.1, **k), "LARS"),
-        "LARC": (lambda **k: keras.optimizers.SGD(0.01, momentum=0.9, **k),
-                 lambda **k: tf_vrgd.LARC(keras.optimizers.SGD(0.01, momentum=0.9, **k)), "SGD"),
+        "Momentum": (
+            lambda **k: keras.optimizers.SGD(0.01, momentum=0.9, **k),
+            lambda **k: tf_vrgd.VRSGD(0.01, momentum=0.9, **k),
+            "SGD",
+        ),
+        "Adam": (
+            lambda **k: keras.optimizers.Adam(1e-3, **k),
+            lambda **k: tf_vrgd.VRAdam(1e-3, **k),
+            "Adam",
+        ),
+        "LAMB": (
+            lambda **k: keras.optimizers.Lamb(1e-3, **k),
+            lambda **k: tf_vrgd.VRLAMB(1e-3, **k),
+            "Lamb",
+        ),
+        "LARS": (lambda **k: tf_vrgd.LARS(0.1, **k), lambda **k: tf_vrgd.VRLARS(0.1, **k), "LARS"),
+        "LARC": (
+            lambda **k: keras.optimizers.SGD(0.01, momentum=0.9, **k),
+            lambda **k: tf_vrgd.LARC(keras.optimizers.SGD(0.01, momentum=0.9, **k)),
+            "SGD",
+        ),
     }
 
 
@@ -314,8 +326,9 @@ def warm_up_runtime(strategy, extra):
     import tf_vrgd
 
     batch = make_batch("mlp", 8 * strategy.num_replicas_in_sync, np.random.default_rng(1))
-    candidate = Candidate("warm-up", lambda: tf_vrgd.VRAdam(**extra), lambda: mlp(20_000),
-                          strategy, batch)
+    candidate = Candidate(
+        "warm-up", lambda: tf_vrgd.VRAdam(**extra), lambda: mlp(20_000), strategy, batch
+    )
     candidate.time("train step", 2 * (extra.get("gradient_accumulation_steps") or 1))
 
 
@@ -337,8 +350,11 @@ def measure(args, gpus, report=print):
     rows = []
     for setup in args.setups:
         if setup == "mirrored":
-            devices = ([f"/gpu:{i}" for i in range(len(gpus))] if gpus
-                       else [f"/cpu:{i}" for i in range(args.replicas)])
+            devices = (
+                [f"/gpu:{i}" for i in range(len(gpus))]
+                if gpus
+                else [f"/cpu:{i}" for i in range(args.replicas)]
+            )
             strategy = tf.distribute.MirroredStrategy(devices)
             extra = {}
         else:
@@ -350,50 +366,78 @@ def measure(args, gpus, report=print):
         warm_up_runtime(strategy, extra)
         for model_name in args.models:
             make_model = functools.partial(MODEL_FACTORIES[model_name], args)
-            global_batch = (args.batch_per_replica * copies if model_name in REAL_MODELS
-                            else args.batch)
+            global_batch = (
+                args.batch_per_replica * copies if model_name in REAL_MODELS else args.batch
+            )
             batch = make_batch(model_name, global_batch, rng)
             if model_name == "mlp":
                 batch = (batch[0].reshape(global_batch, -1), batch[1])
             model = make_model()
             params, variables = parameter_count(model), len(model.trainable_variables)
             del model
-            report(f"\n== {model_name} ({params / 1e6:.2f} M parameters, {variables} variables), "
-                   f"{setup}: {copies} replica(s), batch {global_batch}"
-                   f"{', A = %d micro-steps, times per update' % args.accumulation if extra else ''}")
+            report(
+                f"\n== {model_name} ({params / 1e6:.2f} M parameters, {variables} variables), "
+                f"{setup}: {copies} replica(s), batch {global_batch}"
+                f"{f', A = {args.accumulation} micro-steps, times per update' if extra else ''}"
+            )
             if not extra and "update" in args.kinds:
                 reduce = collective_times(strategy, params)
-                report(f"all-reduce alone: sum {reduce['sum'] * 1e3:.2f} ms, sum and squares "
-                       f"{reduce['sum and squares'] * 1e3:.2f} ms "
-                       f"(x{reduce['sum and squares'] / reduce['sum']:.2f})")
+                report(
+                    f"all-reduce alone: sum {reduce['sum'] * 1e3:.2f} ms, sum and squares "
+                    f"{reduce['sum and squares'] * 1e3:.2f} ms "
+                    f"(x{reduce['sum and squares'] / reduce['sum']:.2f})"
+                )
             for pair_name, (make_base, make_vr, _) in chosen.items():
-                factories = {"base": lambda: make_base(**extra), "vr": lambda: make_vr(**extra)}
+                factories = {
+                    "base": functools.partial(make_base, **extra),
+                    "vr": functools.partial(make_vr, **extra),
+                }
                 if pair_name != "LARC":
-                    factories["vr no-xla"] = lambda: make_vr(jit_update=False, **extra)
+                    factories["vr no-xla"] = functools.partial(make_vr, jit_update=False, **extra)
                     if args.statistics:
-                        factories["vr statistics"] = lambda: make_vr(
-                            track_gsnr_statistics=True, **extra)
-                row = dict(setup=setup, model=model_name, parameters=params,
-                           variables=variables, replicas=copies, pair=pair_name)
+                        factories["vr statistics"] = functools.partial(
+                            make_vr, track_gsnr_statistics=True, **extra
+                        )
+                row = dict(
+                    setup=setup,
+                    model=model_name,
+                    parameters=params,
+                    variables=variables,
+                    replicas=copies,
+                    pair=pair_name,
+                )
                 if "first step" in args.kinds:
-                    seconds = first_step_times(factories, make_model, strategy, batch,
-                                               calls_per_update, args.first_step_rounds)
+                    seconds = first_step_times(
+                        factories,
+                        make_model,
+                        strategy,
+                        batch,
+                        calls_per_update,
+                        args.first_step_rounds,
+                    )
                     rows.append({**row, "kind": "first step", "seconds": seconds})
                     report(rows[-1])
                 steady = [kind for kind in args.kinds if kind != "first step"]
                 if not steady:
                     continue
-                candidates = [Candidate(name, factory, make_model, strategy, batch)
-                              for name, factory in factories.items()]
+                candidates = [
+                    Candidate(name, factory, make_model, strategy, batch)
+                    for name, factory in factories.items()
+                ]
                 for kind in steady:
-                    seconds = compare(candidates, kind, args.steps * calls_per_update,
-                                      args.repeats, warmup=2 * calls_per_update + 1)
+                    seconds = compare(
+                        candidates,
+                        kind,
+                        args.steps * calls_per_update,
+                        args.repeats,
+                        warmup=2 * calls_per_update + 1,
+                    )
                     seconds = {k: v * calls_per_update for k, v in seconds.items()}
                     rows.append({**row, "kind": kind, "seconds": seconds})
                     if kind == "update":
                         base_bytes, vr_bytes = _update_bytes(
-                            pair_name, candidates[1].optimizer,
-                            args.accumulation if extra else 0)
+                            pair_name, candidates[1].optimizer, args.accumulation if extra else 0
+                        )
                         rows[-1]["traffic"] = {
                             "base": copies * base_bytes * params / seconds["base"] / bandwidth,
                             "vr": copies * vr_bytes * params / seconds["vr"] / bandwidth,
@@ -410,17 +454,23 @@ def format_row(row):
         return row
     seconds = row["seconds"]
     unit, factor = ("s", 1.0) if row["kind"] == "first step" else ("ms", 1e3)
-    line = (f"{row['pair']:<9} {row['kind']:<10} base {seconds['base'] * factor:8.2f} {unit}"
-            f"  twin {seconds['vr'] * factor:8.2f} {unit}"
-            f"  twin/base {seconds['vr'] / seconds['base']:5.2f}")
+    line = (
+        f"{row['pair']:<9} {row['kind']:<10} base {seconds['base'] * factor:8.2f} {unit}"
+        f"  twin {seconds['vr'] * factor:8.2f} {unit}"
+        f"  twin/base {seconds['vr'] / seconds['base']:5.2f}"
+    )
     if "vr no-xla" in seconds:
-        line += (f"  no-xla/base {seconds['vr no-xla'] / seconds['base']:5.2f}"
-                 f"  xla/no-xla {seconds['vr'] / seconds['vr no-xla']:5.2f}")
+        line += (
+            f"  no-xla/base {seconds['vr no-xla'] / seconds['base']:5.2f}"
+            f"  xla/no-xla {seconds['vr'] / seconds['vr no-xla']:5.2f}"
+        )
     if "vr statistics" in seconds:
         line += f"  statistics on/off {seconds['vr statistics'] / seconds['vr']:5.2f}"
     if "traffic" in row:
-        line += (f"  traffic/bandwidth base {row['traffic']['base']:5.1%}"
-                 f" twin {row['traffic']['vr']:5.1%}")
+        line += (
+            f"  traffic/bandwidth base {row['traffic']['base']:5.1%}"
+            f" twin {row['traffic']['vr']:5.1%}"
+        )
     return line
 
 

@@ -38,8 +38,7 @@ import re
 import keras
 import yaml
 
-from tf_vrgd import _validation
-from tf_vrgd import schedules
+from tf_vrgd import _validation, schedules
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
@@ -65,8 +64,7 @@ class AdamWeightDecay(LayerwiseExclusionMixin, keras.optimizers.AdamW):
     `include_in_weight_decay` matches first. Both lists are saved.
     """
 
-    def __init__(self, include_in_weight_decay=None, exclude_from_weight_decay=None,
-                 **kwargs):
+    def __init__(self, include_in_weight_decay=None, exclude_from_weight_decay=None, **kwargs):
         super().__init__(**kwargs)
         self._init_exclusions(exclude_from_weight_decay, None)
         self._include_patterns = [str(p) for p in include_in_weight_decay or []] or None
@@ -138,32 +136,78 @@ def _constructor_fields(cls, exclude=("learning_rate",)):
     }
 
 
-_SGD = {**_KERAS_FIELDS, "name": "SGD", **_CLIP_FIELDS, "decay": 0.0, "nesterov": False, "momentum": 0.0}
-_ADAM = {**_KERAS_FIELDS, "name": "Adam", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999,
-         "epsilon": 1e-7, "amsgrad": False}
-_LAMB = {**_KERAS_FIELDS, "name": "LAMB", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-6,
-         "weight_decay_rate": 0.0, "exclude_from_weight_decay": None,
-         "exclude_from_layer_adaptation": None}
+_SGD = {
+    **_KERAS_FIELDS,
+    "name": "SGD",
+    **_CLIP_FIELDS,
+    "decay": 0.0,
+    "nesterov": False,
+    "momentum": 0.0,
+}
+_ADAM = {
+    **_KERAS_FIELDS,
+    "name": "Adam",
+    **_CLIP_FIELDS,
+    "beta_1": 0.9,
+    "beta_2": 0.999,
+    "epsilon": 1e-7,
+    "amsgrad": False,
+}
+_LAMB = {
+    **_KERAS_FIELDS,
+    "name": "LAMB",
+    **_CLIP_FIELDS,
+    "beta_1": 0.9,
+    "beta_2": 0.999,
+    "epsilon": 1e-6,
+    "weight_decay_rate": 0.0,
+    "exclude_from_weight_decay": None,
+    "exclude_from_layer_adaptation": None,
+}
 # `eeta` (Model Garden's trust coefficient) defaults to 0.001 when unset.
-_LARS = {**_KERAS_FIELDS, "name": "LARS", **_CLIP_FIELDS, "momentum": 0.9, "eeta": None,
-         "weight_decay_rate": 0.0, "nesterov": False, "classic_momentum": True,
-         "exclude_from_weight_decay": None, "exclude_from_layer_adaptation": None}
-_ADAMW = {**_KERAS_FIELDS, "name": "AdamWeightDecay", **_CLIP_FIELDS, "beta_1": 0.9, "beta_2": 0.999,
-          "epsilon": 1e-7, "amsgrad": False, "weight_decay_rate": 0.0,
-          "include_in_weight_decay": None, "exclude_from_weight_decay": None,
-          "gradient_clip_norm": 1.0}
+_LARS = {
+    **_KERAS_FIELDS,
+    "name": "LARS",
+    **_CLIP_FIELDS,
+    "momentum": 0.9,
+    "eeta": None,
+    "weight_decay_rate": 0.0,
+    "nesterov": False,
+    "classic_momentum": True,
+    "exclude_from_weight_decay": None,
+    "exclude_from_layer_adaptation": None,
+}
+_ADAMW = {
+    **_KERAS_FIELDS,
+    "name": "AdamWeightDecay",
+    **_CLIP_FIELDS,
+    "beta_1": 0.9,
+    "beta_2": 0.999,
+    "epsilon": 1e-7,
+    "amsgrad": False,
+    "weight_decay_rate": 0.0,
+    "include_in_weight_decay": None,
+    "exclude_from_weight_decay": None,
+    "gradient_clip_norm": 1.0,
+}
 
 
 def _build_sgd(lr, f, extra):
     f = _check_sgd_decay(f)
-    return keras.optimizers.SGD(lr, momentum=f["momentum"], nesterov=f["nesterov"],
-                                **_keras_kwargs(f, extra))
+    return keras.optimizers.SGD(
+        lr, momentum=f["momentum"], nesterov=f["nesterov"], **_keras_kwargs(f, extra)
+    )
 
 
 def _build_adam(lr, f, extra):
-    return keras.optimizers.Adam(lr, beta_1=f["beta_1"], beta_2=f["beta_2"],
-                                 epsilon=f["epsilon"], amsgrad=f["amsgrad"],
-                                 **_keras_kwargs(f, extra))
+    return keras.optimizers.Adam(
+        lr,
+        beta_1=f["beta_1"],
+        beta_2=f["beta_2"],
+        epsilon=f["epsilon"],
+        amsgrad=f["amsgrad"],
+        **_keras_kwargs(f, extra),
+    )
 
 
 def _build_adamw(lr, f, extra):
@@ -174,19 +218,26 @@ def _build_adamw(lr, f, extra):
             raise ValueError("Give `gradient_clip_norm` or `global_clipnorm`, not both.")
         kwargs["global_clipnorm"] = f["gradient_clip_norm"]
     return AdamWeightDecay(
-        learning_rate=lr, beta_1=f["beta_1"], beta_2=f["beta_2"], epsilon=f["epsilon"],
-        amsgrad=f["amsgrad"], weight_decay=f["weight_decay_rate"],
+        learning_rate=lr,
+        beta_1=f["beta_1"],
+        beta_2=f["beta_2"],
+        epsilon=f["epsilon"],
+        amsgrad=f["amsgrad"],
+        weight_decay=f["weight_decay_rate"],
         include_in_weight_decay=f["include_in_weight_decay"],
-        exclude_from_weight_decay=f["exclude_from_weight_decay"], **kwargs,
+        exclude_from_weight_decay=f["exclude_from_weight_decay"],
+        **kwargs,
     )
 
 
 def _build_with(cls, translate=None):
     """A builder passing every field to `cls` (after `translate`)."""
+
     def build(lr, f, extra):
         f = translate(f) if translate else f
-        return cls(lr, **_without(f, "name", *_CLIP_FIELDS, *_KERAS_FIELDS),
-                   **_keras_kwargs(f, extra))
+        return cls(
+            lr, **_without(f, "name", *_CLIP_FIELDS, *_KERAS_FIELDS), **_keras_kwargs(f, extra)
+        )
 
     return build
 
@@ -194,8 +245,13 @@ def _build_with(cls, translate=None):
 def _vr_type(cls, base_fields, translate=None):
     """A VR type: its constructor's arguments, the base type's fields and
     the Keras arguments that matter for it."""
-    fields = {**base_fields, **_constructor_fields(cls), "name": None,
-              "weight_decay": None, "gradient_accumulation_steps": None}
+    fields = {
+        **base_fields,
+        **_constructor_fields(cls),
+        "name": None,
+        "weight_decay": None,
+        "gradient_accumulation_steps": None,
+    }
     return _Type(fields, _build_with(cls, translate))
 
 
@@ -215,23 +271,44 @@ LARC_FIELDS = {**_constructor_fields(LARC, exclude=("optimizer",)), "optimizer":
 # Learning-rate types: fields with Model Garden defaults (None = required).
 LEARNING_RATE_TYPES = {
     "constant": {"name": "Constant", "learning_rate": 0.1},
-    "stepwise": {"name": "PiecewiseConstantDecay", "boundaries": None, "values": None,
-                 "offset": 0},
-    "exponential": {"name": "ExponentialDecay", "initial_learning_rate": None,
-                    "decay_steps": None, "decay_rate": None, "staircase": False, "offset": 0},
-    "polynomial": {"name": "PolynomialDecay", "initial_learning_rate": None,
-                   "decay_steps": None, "end_learning_rate": 0.0001, "power": 1.0,
-                   "cycle": False, "offset": 0},
-    "cosine": {"name": "CosineDecay", "initial_learning_rate": None, "decay_steps": None,
-               "alpha": 0.0, "offset": 0},
+    "stepwise": {"name": "PiecewiseConstantDecay", "boundaries": None, "values": None, "offset": 0},
+    "exponential": {
+        "name": "ExponentialDecay",
+        "initial_learning_rate": None,
+        "decay_steps": None,
+        "decay_rate": None,
+        "staircase": False,
+        "offset": 0,
+    },
+    "polynomial": {
+        "name": "PolynomialDecay",
+        "initial_learning_rate": None,
+        "decay_steps": None,
+        "end_learning_rate": 0.0001,
+        "power": 1.0,
+        "cycle": False,
+        "offset": 0,
+    },
+    "cosine": {
+        "name": "CosineDecay",
+        "initial_learning_rate": None,
+        "decay_steps": None,
+        "alpha": 0.0,
+        "offset": 0,
+    },
 }
 WARMUP_TYPES = {
     "linear": {"name": "linear", "warmup_learning_rate": 0.0, "warmup_steps": None},
     "polynomial": {"name": "polynomial", "power": 1.0, "warmup_steps": None},
 }
-EMA_FIELDS = {"name": "ExponentialMovingAverage", **_CLIP_FIELDS,
-              "trainable_weights_only": True, "average_decay": 0.99, "start_step": 0,
-              "dynamic_decay": True}
+EMA_FIELDS = {
+    "name": "ExponentialMovingAverage",
+    **_CLIP_FIELDS,
+    "trainable_weights_only": True,
+    "average_decay": 0.99,
+    "start_step": 0,
+    "dynamic_decay": True,
+}
 BLOCK_KEYS = ("optimizer", "learning_rate", "warmup", "ema")
 
 
@@ -259,8 +336,11 @@ def load(cfg):
     loader only)."""
     if isinstance(cfg, dict):
         return cfg
-    if isinstance(cfg, os.PathLike) or (isinstance(cfg, str) and "\n" not in cfg and (
-            os.path.exists(cfg) or cfg.endswith((".yaml", ".yml")))):
+    if isinstance(cfg, os.PathLike) or (
+        isinstance(cfg, str)
+        and "\n" not in cfg
+        and (os.path.exists(cfg) or cfg.endswith((".yaml", ".yml")))
+    ):
         if not os.path.isfile(cfg):
             raise ValueError(f"The config file {os.fspath(cfg)!r} does not exist.")
         with open(cfg) as f:
@@ -293,8 +373,13 @@ def optimization_block(cfg):
 def _number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
     # Infinite bounds are open: no field takes an infinite value.
     return lambda name, value: _validation.check_number(
-        name, value, low=low, high=high, low_open=low_open or low == -math.inf,
-        high_open=high_open or high == math.inf)
+        name,
+        value,
+        low=low,
+        high=high,
+        low_open=low_open or low == -math.inf,
+        high_open=high_open or high == math.inf,
+    )
 
 
 def _integer(low):
@@ -325,29 +410,53 @@ _POSITIVE = _number(0.0, low_open=True)
 # that a bad value is named with its place in the block.
 FIELD_CHECKS = {
     # learning rates and schedules
-    "learning_rate": _RATE, "initial_learning_rate": _RATE, "end_learning_rate": _RATE,
-    "warmup_learning_rate": _RATE, "values": _list_of(_RATE),
-    "decay_steps": _integer(1), "warmup_steps": _integer(0), "offset": _integer(0),
-    "boundaries": _list_of(_integer(0)), "decay_rate": _POSITIVE, "power": _number(),
-    "alpha": _number(0.0, 1.0), "staircase": _validation.check_bool,
+    "learning_rate": _RATE,
+    "initial_learning_rate": _RATE,
+    "end_learning_rate": _RATE,
+    "warmup_learning_rate": _RATE,
+    "values": _list_of(_RATE),
+    "decay_steps": _integer(1),
+    "warmup_steps": _integer(0),
+    "offset": _integer(0),
+    "boundaries": _list_of(_integer(0)),
+    "decay_rate": _POSITIVE,
+    "power": _number(),
+    "alpha": _number(0.0, 1.0),
+    "staircase": _validation.check_bool,
     "cycle": _validation.check_bool,
     # optimizers
-    "name": _string, "momentum": _UNIT_INTERVAL, "nesterov": _validation.check_bool,
-    "beta_1": _UNIT_INTERVAL, "beta_2": _UNIT_INTERVAL, "epsilon": _NON_NEGATIVE,
-    "amsgrad": _validation.check_bool, "weight_decay_rate": _NON_NEGATIVE,
-    "weight_decay": _NON_NEGATIVE, "eeta": _POSITIVE, "trust_coefficient": _POSITIVE,
-    "classic_momentum": _validation.check_bool, "clip": _validation.check_bool,
-    "clipnorm": _POSITIVE, "clipvalue": _POSITIVE, "global_clipnorm": _POSITIVE,
-    "gradient_clip_norm": _NON_NEGATIVE, "gradient_accumulation_steps": _integer(1),
+    "name": _string,
+    "momentum": _UNIT_INTERVAL,
+    "nesterov": _validation.check_bool,
+    "beta_1": _UNIT_INTERVAL,
+    "beta_2": _UNIT_INTERVAL,
+    "epsilon": _NON_NEGATIVE,
+    "amsgrad": _validation.check_bool,
+    "weight_decay_rate": _NON_NEGATIVE,
+    "weight_decay": _NON_NEGATIVE,
+    "eeta": _POSITIVE,
+    "trust_coefficient": _POSITIVE,
+    "classic_momentum": _validation.check_bool,
+    "clip": _validation.check_bool,
+    "clipnorm": _POSITIVE,
+    "clipvalue": _POSITIVE,
+    "global_clipnorm": _POSITIVE,
+    "gradient_clip_norm": _NON_NEGATIVE,
+    "gradient_accumulation_steps": _integer(1),
     "exclude_from_weight_decay": _validation.check_regex_list,
     "exclude_from_layer_adaptation": _validation.check_regex_list,
     "include_in_weight_decay": _validation.check_regex_list,
-    "gamma": _number(0.0, 1.0, low_open=True), "beta_3": _UNIT_INTERVAL,
-    "gsnr_epsilon": _POSITIVE, "jit_update": _validation.check_bool,
-    "track_gsnr_statistics": _validation.check_bool, "decay": _NON_NEGATIVE,
+    "gamma": _number(0.0, 1.0, low_open=True),
+    "beta_3": _UNIT_INTERVAL,
+    "gsnr_epsilon": _POSITIVE,
+    "jit_update": _validation.check_bool,
+    "track_gsnr_statistics": _validation.check_bool,
+    "decay": _NON_NEGATIVE,
     # ema
-    "average_decay": _number(0.0, 1.0), "dynamic_decay": _validation.check_bool,
-    "trainable_weights_only": _validation.check_bool, "start_step": _integer(0),
+    "average_decay": _number(0.0, 1.0),
+    "dynamic_decay": _validation.check_bool,
+    "trainable_weights_only": _validation.check_bool,
+    "start_step": _integer(0),
 }
 
 
@@ -359,9 +468,7 @@ def _fields(what, given, accepted):
     given = dict(given or {})
     unknown = sorted(set(given) - set(accepted))
     if unknown:
-        raise ValueError(
-            f"Unknown field(s) {unknown} in {what}. Accepted: {sorted(accepted)}"
-        )
+        raise ValueError(f"Unknown field(s) {unknown} in {what}. Accepted: {sorted(accepted)}")
     for name, value in given.items():
         if value is not None and name in FIELD_CHECKS:
             given[name] = FIELD_CHECKS[name](f"{what}.{name}", value)
@@ -374,9 +481,7 @@ def _one_of(what, block, types):
         raise ValueError(f"`{what}` must be a mapping. Received: {block!r}")
     kind = block.get("type")
     if kind not in types:
-        raise ValueError(
-            f"Unknown {what} type {kind!r}. Accepted: {sorted(types)}"
-        )
+        raise ValueError(f"Unknown {what} type {kind!r}. Accepted: {sorted(types)}")
     extra = sorted(set(block) - {"type", kind})
     if extra:
         raise ValueError(
@@ -409,7 +514,8 @@ def learning_rate_from_config(block):
     elif kind == "stepwise":
         _required(what, f, "boundaries", "values")
         if len(f["values"]) != len(f["boundaries"]) + 1 or any(
-                b >= c for b, c in zip(f["boundaries"], f["boundaries"][1:])):
+            b >= c for b, c in zip(f["boundaries"], f["boundaries"][1:])
+        ):
             raise ValueError(
                 f"{what} needs increasing `boundaries` and one more value than "
                 f"boundaries. Received: boundaries={f['boundaries']}, values={f['values']}"
@@ -417,12 +523,21 @@ def learning_rate_from_config(block):
         schedule = S.PiecewiseConstantDecay(list(f["boundaries"]), list(f["values"]))
     elif kind == "exponential":
         _required(what, f, "initial_learning_rate", "decay_steps", "decay_rate")
-        schedule = S.ExponentialDecay(f["initial_learning_rate"], f["decay_steps"],
-                                      f["decay_rate"], staircase=bool(f["staircase"]))
+        schedule = S.ExponentialDecay(
+            f["initial_learning_rate"],
+            f["decay_steps"],
+            f["decay_rate"],
+            staircase=bool(f["staircase"]),
+        )
     elif kind == "polynomial":
         _required(what, f, "initial_learning_rate", "decay_steps")
-        schedule = S.PolynomialDecay(f["initial_learning_rate"], f["decay_steps"],
-                                     f["end_learning_rate"], f["power"], cycle=f["cycle"])
+        schedule = S.PolynomialDecay(
+            f["initial_learning_rate"],
+            f["decay_steps"],
+            f["end_learning_rate"],
+            f["power"],
+            cycle=f["cycle"],
+        )
     else:
         _required(what, f, "initial_learning_rate", "decay_steps")
         schedule = S.CosineDecay(f["initial_learning_rate"], f["decay_steps"], alpha=f["alpha"])
@@ -441,8 +556,12 @@ def learning_rate_from_config(block):
         _required(f"warmup.{kind}", w, "warmup_steps")
         if kind == "linear":
             if w["warmup_steps"] <= 0:
-                raise ValueError(f"warmup.linear.warmup_steps must be > 0. Received: {w['warmup_steps']}")
-            schedule = schedules.LinearWarmup(schedule, w["warmup_steps"], w["warmup_learning_rate"])
+                raise ValueError(
+                    f"warmup.linear.warmup_steps must be > 0. Received: {w['warmup_steps']}"
+                )
+            schedule = schedules.LinearWarmup(
+                schedule, w["warmup_steps"], w["warmup_learning_rate"]
+            )
         else:
             schedule = schedules.PolynomialWarmup(schedule, w["warmup_steps"], w["power"])
     return schedule
@@ -508,7 +627,9 @@ def optimizer_from_config(cfg):
     block = optimization_block(cfg)
     unknown = sorted(set(block) - set(BLOCK_KEYS))
     if unknown:
-        raise ValueError(f"Unknown key(s) {unknown} in the optimization block. Accepted: {list(BLOCK_KEYS)}")
+        raise ValueError(
+            f"Unknown key(s) {unknown} in the optimization block. Accepted: {list(BLOCK_KEYS)}"
+        )
     if "optimizer" not in block:
         raise ValueError("The optimization block has no `optimizer`.")
     _one_of("optimizer", block["optimizer"], {**OPTIMIZER_TYPES, "larc": None})
@@ -532,8 +653,10 @@ def twin_block(block):
     kind = optimizer["type"]
     twin = vr_twin_type(kind)
     if twin is None:
-        raise ValueError(f"Optimizer type {kind!r} has no VR twin. Twins: "
-                         f"{sorted(k for k in OPTIMIZER_TYPES if vr_twin_type(k))}")
+        raise ValueError(
+            f"Optimizer type {kind!r} has no VR twin. Twins: "
+            f"{sorted(k for k in OPTIMIZER_TYPES if vr_twin_type(k))}"
+        )
     fields = dict(optimizer.get(kind) or {})
     if not twin.startswith("vr_"):
         fields = {k: v for k, v in fields.items() if k in OPTIMIZER_TYPES[twin].fields}

@@ -108,8 +108,11 @@ def prepare(data_dir=None, cache_dir=None):
         # checksums of a bad file nor prepares a dataset from it.
         for name in IDX_FILES:
             check_idx_file(os.path.join(data_dir, name))
-        print(f"Preparing Fashion-MNIST from {data_dir} into {cache_dir} "
-              "(tensorflow-datasets, once)...", flush=True)
+        print(
+            f"Preparing Fashion-MNIST from {data_dir} into {cache_dir} "
+            "(tensorflow-datasets, once)...",
+            flush=True,
+        )
         tfds.disable_progress_bar()
         # tfds writes the recorded checksums to the builder's `_checksums_path`;
         # they are recorded afresh at each preparation.
@@ -132,8 +135,9 @@ def discard(builder):
     """Removes a prepared (or partly prepared) dataset and its recorded
     checksums, so that the next run prepares it anew."""
     shutil.rmtree(builder.data_dir, ignore_errors=True)
-    checksums = os.path.join(os.path.dirname(os.path.dirname(builder.data_dir)),
-                             "fashion_mnist_local_checksums.tsv")
+    checksums = os.path.join(
+        os.path.dirname(os.path.dirname(builder.data_dir)), "fashion_mnist_local_checksums.tsv"
+    )
     if os.path.exists(checksums):
         os.remove(checksums)
 
@@ -143,7 +147,9 @@ def verify(images, labels, split):
     expected = EXPECTED_EXAMPLES[split]
     problems = []
     if images.shape != (expected, 28, 28, 1) or images.dtype != np.uint8:
-        problems.append(f"images {images.shape} {images.dtype}, expected ({expected}, 28, 28, 1) uint8")
+        problems.append(
+            f"images {images.shape} {images.dtype}, expected ({expected}, 28, 28, 1) uint8"
+        )
     counts = np.bincount(labels.astype(np.int64), minlength=NUM_CLASSES)
     if labels.shape != (expected,) or len(counts) != NUM_CLASSES:
         problems.append(f"labels {labels.shape} with values up to {labels.max()}")
@@ -180,14 +186,20 @@ def load(data_dir=None, cache_dir=None):
             raise
         arrays[split] = (images, labels)
     tmp = f"{cached}.tmp{os.getpid()}.npz"
-    np.savez(tmp, x_train=arrays["train"][0], y_train=arrays["train"][1],
-             x_test=arrays["test"][0], y_test=arrays["test"][1])
+    np.savez(
+        tmp,
+        x_train=arrays["train"][0],
+        y_train=arrays["train"][1],
+        x_test=arrays["test"][0],
+        y_test=arrays["test"][1],
+    )
     os.replace(tmp, cached)
     return arrays["train"], arrays["test"]
 
 
-def dataset(images, labels, global_batch_size, seed=None, epochs=None, initial_epoch=0,
-            drop_remainder=True):
+def dataset(
+    images, labels, global_batch_size, seed=None, epochs=None, initial_epoch=0, drop_remainder=True
+):
     """A `tf.data` pipeline: [0, 1] float32 images, int32 labels, batched by
     the global batch and prefetched.
 

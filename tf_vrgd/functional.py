@@ -47,9 +47,7 @@ def trust_ratio(weight_norm, update_norm, trust_coefficient=1.0):
     # The where-on-the-denominator keeps the unused branch finite, so that no
     # NaN or Inf is ever produced, eagerly or under XLA.
     safe_update_norm = tf.where(both_positive, update_norm, 1.0)
-    return tf.where(
-        both_positive, trust_coefficient * weight_norm / safe_update_norm, 1.0
-    )
+    return tf.where(both_positive, trust_coefficient * weight_norm / safe_update_norm, 1.0)
 
 
 def larc_factor(
@@ -74,9 +72,7 @@ def larc_factor(
     """
     active = tf.logical_and(weight_norm > 0.0, gradient_norm > 0.0)
     adaptive_rate = (
-        trust_coefficient
-        * weight_norm
-        / (gradient_norm + weight_decay * weight_norm + epsilon)
+        trust_coefficient * weight_norm / (gradient_norm + weight_decay * weight_norm + epsilon)
     )
     if clip:
         learning_rate = tf.cast(learning_rate, tf.float32)
@@ -116,8 +112,7 @@ def larc_gradient(
     return tf.where(active, decayed * factor, gradient)
 
 
-def lars_direction(gradient, weight, weight_decay_rate, trust_coefficient,
-                   adapt):
+def lars_direction(gradient, weight, weight_decay_rate, trust_coefficient, adapt):
     """The LARS step direction before the learning rate and momentum.
 
     ``u = g + weight_decay_rate * w``; returns ``trust * u`` with
@@ -150,8 +145,7 @@ def momentum_step(velocity, scaled_update, momentum, nesterov):
 # --- Gradient signal-to-noise ratio (docs/algorithms.md §1-3) ---------------------
 
 
-def gradient_moments(sum_of_gradients, sum_of_squares, replicas,
-                     accumulation_steps):
+def gradient_moments(sum_of_gradients, sum_of_squares, replicas, accumulation_steps):
     """Mean and second moment of the k = replicas x accumulation_steps
     gradient samples, from the all-reduced sums of the scaled samples.
 
@@ -208,9 +202,7 @@ def normalized_clipped_gsnr(gsnr, gamma):
 
 def gsnr_scale(gradient_mean, second_moment, gamma, epsilon):
     """The per-element factor r of docs/algorithms.md §2, in [gamma, 1]."""
-    return normalized_clipped_gsnr(
-        raw_gsnr(gradient_mean, second_moment, epsilon), gamma
-    )
+    return normalized_clipped_gsnr(raw_gsnr(gradient_mean, second_moment, epsilon), gamma)
 
 
 def segment_normalized_clipped_gsnr(gsnr, segment_ids, sizes, gamma):

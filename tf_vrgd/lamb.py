@@ -5,8 +5,7 @@ Training BERT in 76 minutes") with TF Model Garden's arguments: coupled
 import keras
 import tensorflow as tf
 
-from tf_vrgd import _validation
-from tf_vrgd import functional
+from tf_vrgd import _validation, functional
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 
 
@@ -37,10 +36,17 @@ class LAMB(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
         **kwargs: Keras base optimizer arguments.
     """
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
-                 epsilon=1e-6, weight_decay_rate=0.0,
-                 exclude_from_weight_decay=None,
-                 exclude_from_layer_adaptation=None, **kwargs):
+    def __init__(
+        self,
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-6,
+        weight_decay_rate=0.0,
+        exclude_from_weight_decay=None,
+        exclude_from_layer_adaptation=None,
+        **kwargs,
+    ):
         _validation.check_learning_rate(learning_rate)
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.beta_1 = _validation.check_number("beta_1", beta_1, low=0.0, high=1.0, high_open=True)

@@ -9,8 +9,7 @@ did not save its own settings with the optimizer state; this one does.
 import keras
 import tensorflow as tf
 
-from tf_vrgd import _validation
-from tf_vrgd import functional
+from tf_vrgd import _validation, functional
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
@@ -78,17 +77,14 @@ class LARC(keras.optimizers.Optimizer):
             )
         if getattr(optimizer, "_wrapped_by_larc", False):
             raise ValueError(
-                "`optimizer` is already wrapped by another LARC. "
-                f"Received: optimizer={optimizer!r}"
+                f"`optimizer` is already wrapped by another LARC. Received: optimizer={optimizer!r}"
             )
         trust_coefficient = _validation.check_number(
             "trust_coefficient", trust_coefficient, low=0.0, low_open=True
         )
         clip = _validation.check_bool("clip", clip)
         epsilon = _validation.check_number("epsilon", epsilon, low=0.0)
-        weight_decay = _validation.check_number(
-            "weight_decay", weight_decay, low=0.0
-        )
+        weight_decay = _validation.check_number("weight_decay", weight_decay, low=0.0)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.trust_coefficient = trust_coefficient
@@ -186,9 +182,7 @@ class LARC(keras.optimizers.Optimizer):
     def get_config(self):
         return {
             "name": self.name,
-            "optimizer": keras.saving.serialize_keras_object(
-                self.inner_optimizer
-            ),
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "trust_coefficient": self.trust_coefficient,
             "clip": self.clip,
             "epsilon": self.epsilon,

@@ -10,8 +10,7 @@ exclusion lists; this one is a Keras 3 optimizer that does.
 import keras
 import tensorflow as tf
 
-from tf_vrgd import _validation
-from tf_vrgd import functional
+from tf_vrgd import _validation, functional
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 
 
@@ -80,9 +79,7 @@ class LARS(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
         self.weight_decay_rate = _validation.check_number(
             "weight_decay_rate", weight_decay_rate, low=0.0
         )
-        self._init_exclusions(
-            exclude_from_weight_decay, exclude_from_layer_adaptation
-        )
+        self._init_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
 
     def build(self, var_list):
         if self.built:

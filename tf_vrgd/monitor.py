@@ -44,9 +44,7 @@ class GSNRMonitor(keras.callbacks.Callback):
     def __init__(self, update_freq="epoch", per_variable=True):
         super().__init__()
         if update_freq != "epoch" and not (
-            isinstance(update_freq, int)
-            and not isinstance(update_freq, bool)
-            and update_freq > 0
+            isinstance(update_freq, int) and not isinstance(update_freq, bool) and update_freq > 0
         ):
             raise ValueError(
                 "`update_freq` must be 'epoch' or a positive integer. "

@@ -139,8 +139,7 @@ class LinearWarmup(_Warmup):
     """Linear ramp from `warmup_learning_rate` to ``after_warmup(warmup_steps)``
     over `warmup_steps`, then `after_warmup` (Model Garden `linear`)."""
 
-    def __init__(self, after_warmup, warmup_steps, warmup_learning_rate=0.0,
-                 name="LinearWarmup"):
+    def __init__(self, after_warmup, warmup_steps, warmup_learning_rate=0.0, name="LinearWarmup"):
         super().__init__(after_warmup, warmup_steps, name)
         self.warmup_learning_rate = float(warmup_learning_rate)
 

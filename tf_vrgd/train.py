@@ -39,31 +39,63 @@ def parse_args(argv=None):
     )
     parser.add_argument("--config", required=True, help="experiment YAML (Model Garden layout)")
     parser.add_argument("--output", required=True, help="output folder; rerun to resume")
-    parser.add_argument("--compare", action="store_true",
-                        help="also train the optimizer's VR twin (or its base, for a VR config)")
-    parser.add_argument("--replicas", type=_positive_int, default=None,
-                        help="MirroredStrategy replicas: GPUs, or logical CPU devices without "
-                             "GPUs (default: runtime.num_gpus of the config)")
-    parser.add_argument("--batch-size", type=_positive_int, default=None,
-                        help="global batch override; the learning rate is scaled by "
-                             "sqrt(new / old) and the schedule's steps follow the new total")
-    parser.add_argument("--epochs", type=_positive_int, default=None,
-                        help="epochs override; the schedule's steps follow the new total")
-    parser.add_argument("--seed", type=int, default=None, help="seed override (weights and data order)")
-    parser.add_argument("--data-dir", default=None,
-                        help="folder with the Fashion-MNIST IDX .gz files "
-                             "(default /usr/share/datasets/fashion-mnist)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="tensorflow-datasets folder for the prepared dataset")
-    parser.add_argument("--train-examples", type=_positive_int, default=None,
-                        help="train on the first N training examples only (quick runs)")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="deterministic TensorFlow ops (bit-reproducible resumes)")
-    parser.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
-                        help="Keras progress output")
-    parser.add_argument("--restart", action="store_true",
-                        help="discard the checkpoints and metrics already in --output and "
-                             "start over (needed to reuse a folder with other settings)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also train the optimizer's VR twin (or its base, for a VR config)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=None,
+        help="MirroredStrategy replicas: GPUs, or logical CPU devices without "
+        "GPUs (default: runtime.num_gpus of the config)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        help="global batch override; the learning rate is scaled by "
+        "sqrt(new / old) and the schedule's steps follow the new total",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=_positive_int,
+        default=None,
+        help="epochs override; the schedule's steps follow the new total",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed override (weights and data order)"
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder with the Fashion-MNIST IDX .gz files "
+        "(default /usr/share/datasets/fashion-mnist)",
+    )
+    parser.add_argument(
+        "--cache-dir", default=None, help="tensorflow-datasets folder for the prepared dataset"
+    )
+    parser.add_argument(
+        "--train-examples",
+        type=_positive_int,
+        default=None,
+        help="train on the first N training examples only (quick runs)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic TensorFlow ops (bit-reproducible resumes)",
+    )
+    parser.add_argument(
+        "--verbose", type=int, default=1, choices=[0, 1, 2], help="Keras progress output"
+    )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard the checkpoints and metrics already in --output and "
+        "start over (needed to reuse a folder with other settings)",
+    )
     return parser.parse_args(argv)
 
 
@@ -105,8 +137,12 @@ def rescale_schedule(block, step_factor, lr_factor):
     learning rate by `lr_factor`."""
     block = copy.deepcopy(block)
     step_keys = ("decay_steps", "warmup_steps", "offset")
-    rate_keys = ("learning_rate", "initial_learning_rate", "end_learning_rate",
-                 "warmup_learning_rate")
+    rate_keys = (
+        "learning_rate",
+        "initial_learning_rate",
+        "end_learning_rate",
+        "warmup_learning_rate",
+    )
     for section in ("learning_rate", "warmup"):
         kind = _get(block, f"{section}.type")
         fields = _get(block, f"{section}.{kind}") if kind else None
@@ -114,9 +150,9 @@ def rescale_schedule(block, step_factor, lr_factor):
             continue
         for key in step_keys:
             if fields.get(key):
-                fields[key] = max(1, int(round(fields[key] * step_factor)))
+                fields[key] = max(1, round(fields[key] * step_factor))
         if fields.get("boundaries"):
-            fields["boundaries"] = [max(1, int(round(b * step_factor))) for b in fields["boundaries"]]
+            fields["boundaries"] = [max(1, round(b * step_factor)) for b in fields["boundaries"]]
         for key in rate_keys:
             if fields.get(key) is not None:
                 fields[key] = fields[key] * lr_factor
@@ -147,23 +183,28 @@ class Experiment:
         kind = _get(block, "optimizer.type")
         accumulation = int(_get(block, f"optimizer.{kind}.gradient_accumulation_steps", 1) or 1)
         config_batch = int(_get(cfg, "task.train_data.global_batch_size", 256))
-        config_steps = int(_get(cfg, "trainer.train_steps",
-                                10 * steps_per_epoch(config_batch) // accumulation))
+        config_steps = int(
+            _get(cfg, "trainer.train_steps", 10 * steps_per_epoch(config_batch) // accumulation)
+        )
         config_epochs = max(1, round(config_steps * accumulation / steps_per_epoch(config_batch)))
         self.batch_size = args.batch_size or config_batch
         self.epochs = args.epochs or config_epochs
         self.seed = args.seed if args.seed is not None else int(_get(cfg, "runtime.seed", 0) or 0)
         self.replicas = args.replicas or int(_get(cfg, "runtime.num_gpus", 1) or 1)
         if self.batch_size % self.replicas:
-            raise ValueError(f"The global batch {self.batch_size} does not split over "
-                             f"{self.replicas} replicas.")
+            raise ValueError(
+                f"The global batch {self.batch_size} does not split over {self.replicas} replicas."
+            )
         self.train_examples = args.train_examples or 60000
         if self.train_examples > 60000:
-            raise ValueError(f"--train-examples must be at most 60000. Received: {self.train_examples}")
+            raise ValueError(
+                f"--train-examples must be at most 60000. Received: {self.train_examples}"
+            )
         self.steps_per_epoch = steps_per_epoch(self.batch_size, self.train_examples)
         if self.steps_per_epoch < 1:
-            raise ValueError(f"Batch {self.batch_size} exceeds the {self.train_examples} "
-                             "training examples.")
+            raise ValueError(
+                f"Batch {self.batch_size} exceeds the {self.train_examples} training examples."
+            )
         total = self.epochs * self.steps_per_epoch // accumulation
         step_factor = total / config_steps
         lr_factor = math.sqrt(self.batch_size / config_batch)
@@ -172,7 +213,8 @@ class Experiment:
         self.note = (
             f"schedule rescaled from {config_steps} to {total} steps, learning rates x "
             f"{lr_factor:.4g} (square-root scaling from batch {config_batch})"
-            if self.rescaled else ""
+            if self.rescaled
+            else ""
         )
 
     def settings(self, args):
@@ -223,8 +265,10 @@ def _replace(path, write):
 
 def write_records(run_dir, records):
     """metrics.jsonl and metrics.csv, each replaced whole."""
-    _replace(os.path.join(run_dir, "metrics.jsonl"),
-             lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
+    _replace(
+        os.path.join(run_dir, "metrics.jsonl"),
+        lambda f: f.writelines(json.dumps(r) + "\n" for r in records),
+    )
     keys = []
     for r in records:
         keys += [k for k in r if k not in keys]
@@ -242,7 +286,7 @@ def _checkpoints(run_dir):
     found = {}
     for name in os.listdir(run_dir):
         if name.startswith("checkpoint-epoch") and name.endswith(".keras"):
-            found[int(name[len("checkpoint-epoch"):-len(".keras")])] = os.path.join(run_dir, name)
+            found[int(name[len("checkpoint-epoch") : -len(".keras")])] = os.path.join(run_dir, name)
     return found
 
 
@@ -283,8 +327,10 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
             test = evaluate("test")
             record = {
                 "epoch": epoch,
-                "train_loss": train[0], "train_accuracy": train[1],
-                "test_loss": test[0], "test_accuracy": test[1],
+                "train_loss": train[0],
+                "train_accuracy": train[1],
+                "test_loss": test[0],
+                "test_accuracy": test[1],
                 "generalization_gap": train[1] - test[1],
                 "loss_gap": test[0] - train[0],
                 "running_train_loss": float(logs.get("loss", float("nan"))),
@@ -320,8 +366,9 @@ def check_settings(output, settings, restart):
     if restart:
         for entry in os.listdir(output):
             run_dir = os.path.join(output, entry)
-            if os.path.isdir(run_dir) and (_checkpoints(run_dir) or os.path.exists(
-                    os.path.join(run_dir, "metrics.jsonl"))):
+            if os.path.isdir(run_dir) and (
+                _checkpoints(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+            ):
                 shutil.rmtree(run_dir)
         if os.path.exists(path):
             os.remove(path)
@@ -329,12 +376,14 @@ def check_settings(output, settings, restart):
         with open(path) as f:
             recorded = json.load(f)
         settings = json.loads(json.dumps(settings))  # as JSON reads it back
-        changed = sorted(k for k in set(recorded) | set(settings)
-                         if recorded.get(k) != settings.get(k))
+        changed = sorted(
+            k for k in set(recorded) | set(settings) if recorded.get(k) != settings.get(k)
+        )
         if changed:
             details = "; ".join(
                 f"{k}: {_short(recorded.get(k))} then, {_short(settings.get(k))} now"
-                for k in changed)
+                for k in changed
+            )
             raise SystemExit(
                 f"vrgd-train: {output} holds a run started with other settings ({details}). "
                 "Resuming would continue that run with these settings. Use a new --output, "
@@ -377,7 +426,7 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
     os.makedirs(run_dir, exist_ok=True)
     remove_partial_checkpoints(run_dir)
     (x_train, y_train), (x_test, y_test) = arrays
-    x_train, y_train = x_train[:experiment.train_examples], y_train[:experiment.train_examples]
+    x_train, y_train = x_train[: experiment.train_examples], y_train[: experiment.train_examples]
     checkpoints = _checkpoints(run_dir)
     initial_epoch = max(checkpoints, default=0)
     with strategy.scope():
@@ -387,29 +436,45 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
             keras.utils.set_random_seed(experiment.seed)
             model = models.fashion_mnist_cnn(width=experiment.model_width)
             # Label smoothing needs one-hot labels.
-            loss = (keras.losses.CategoricalCrossentropy(
-                        from_logits=True, label_smoothing=experiment.label_smoothing)
-                    if experiment.label_smoothing
-                    else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-            model.compile(optimizer=config.optimizer_from_config(block), loss=loss,
-                          metrics=["accuracy"])
+            loss = (
+                keras.losses.CategoricalCrossentropy(
+                    from_logits=True, label_smoothing=experiment.label_smoothing
+                )
+                if experiment.label_smoothing
+                else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
+            model.compile(
+                optimizer=config.optimizer_from_config(block), loss=loss, metrics=["accuracy"]
+            )
     records = read_records(os.path.join(run_dir, "metrics.jsonl"), initial_epoch)
     if initial_epoch >= experiment.epochs:
         return records
     if initial_epoch:
-        print(f"[{name}] resuming after epoch {initial_epoch} from "
-              f"{checkpoints[initial_epoch]}", flush=True)
+        print(
+            f"[{name}] resuming after epoch {initial_epoch} from {checkpoints[initial_epoch]}",
+            flush=True,
+        )
 
     one_hot = bool(experiment.label_smoothing)
 
     def labels(y):
         return np.eye(data.NUM_CLASSES, dtype=np.float32)[y] if one_hot else y
 
-    train_ds = data.dataset(x_train, labels(y_train), experiment.batch_size, seed=experiment.seed,
-                            epochs=experiment.epochs, initial_epoch=initial_epoch)
+    train_ds = data.dataset(
+        x_train,
+        labels(y_train),
+        experiment.batch_size,
+        seed=experiment.seed,
+        epochs=experiment.epochs,
+        initial_epoch=initial_epoch,
+    )
     eval_sets = {
-        "train": data.dataset(x_train[:EVAL_TRAIN_EXAMPLES], labels(y_train[:EVAL_TRAIN_EXAMPLES]),
-                              experiment.batch_size, drop_remainder=False),
+        "train": data.dataset(
+            x_train[:EVAL_TRAIN_EXAMPLES],
+            labels(y_train[:EVAL_TRAIN_EXAMPLES]),
+            experiment.batch_size,
+            drop_remainder=False,
+        ),
         "test": data.dataset(x_test, labels(y_test), experiment.batch_size, drop_remainder=False),
     }
 
@@ -426,9 +491,15 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
         # Model-wide figures in the progress bar; per layer in the records.
         callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False))
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
-    model.fit(train_ds, epochs=experiment.epochs, initial_epoch=initial_epoch,
-              steps_per_epoch=experiment.steps_per_epoch, callbacks=callbacks, verbose=verbose,
-              shuffle=False)  # the dataset is shuffled per epoch already
+    model.fit(
+        train_ds,
+        epochs=experiment.epochs,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=experiment.steps_per_epoch,
+        callbacks=callbacks,
+        verbose=verbose,
+        shuffle=False,
+    )  # the dataset is shuffled per epoch already
     model.save_weights(os.path.join(run_dir, "final.weights.h5"))
     return records
 
@@ -443,27 +514,38 @@ def summarize(runs, experiment):
         if not records:
             continue
         last = records[-1]
-        rows.append({
-            "run": name,
-            "batch": experiment.batch_size,
-            "replicas": experiment.replicas,
-            "epochs": len(records),
-            "train_acc": last["train_accuracy"],
-            "test_acc": last["test_accuracy"],
-            "best_test_acc": max(r["test_accuracy"] for r in records),
-            "gap": last["generalization_gap"],
-            "train_loss": last["train_loss"],
-            "test_loss": last["test_loss"],
-            "s_per_epoch": sum(r["seconds"] for r in records) / len(records),
-        })
+        rows.append(
+            {
+                "run": name,
+                "batch": experiment.batch_size,
+                "replicas": experiment.replicas,
+                "epochs": len(records),
+                "train_acc": last["train_accuracy"],
+                "test_acc": last["test_accuracy"],
+                "best_test_acc": max(r["test_accuracy"] for r in records),
+                "gap": last["generalization_gap"],
+                "train_loss": last["train_loss"],
+                "test_loss": last["test_loss"],
+                "s_per_epoch": sum(r["seconds"] for r in records) / len(records),
+            }
+        )
     return rows
 
 
 def format_table(rows):
-    columns = [("run", "{}"), ("batch", "{}"), ("replicas", "{}"), ("epochs", "{}"),
-               ("train_acc", "{:.4f}"), ("test_acc", "{:.4f}"), ("best_test_acc", "{:.4f}"),
-               ("gap", "{:+.4f}"), ("train_loss", "{:.4f}"), ("test_loss", "{:.4f}"),
-               ("s_per_epoch", "{:.1f}")]
+    columns = [
+        ("run", "{}"),
+        ("batch", "{}"),
+        ("replicas", "{}"),
+        ("epochs", "{}"),
+        ("train_acc", "{:.4f}"),
+        ("test_acc", "{:.4f}"),
+        ("best_test_acc", "{:.4f}"),
+        ("gap", "{:+.4f}"),
+        ("train_loss", "{:.4f}"),
+        ("test_loss", "{:.4f}"),
+        ("s_per_epoch", "{:.1f}"),
+    ]
     cells = [[name for name, _ in columns]] + [
         [fmt.format(row[name]) for name, fmt in columns] for row in rows
     ]
@@ -486,8 +568,12 @@ def plot(runs, output):
         for name, records in runs.items():
             epochs = [r["epoch"] + 1 for r in records]
             for split, style in (("train", "--"), ("test", "-")):
-                ax.plot(epochs, [r[f"{split}_{metric}"] for r in records], style,
-                        label=f"{name} {split}")
+                ax.plot(
+                    epochs,
+                    [r[f"{split}_{metric}"] for r in records],
+                    style,
+                    label=f"{name} {split}",
+                )
         ax.set_xlabel("epoch")
         ax.set_ylabel(metric)
         ax.legend()
@@ -542,10 +628,13 @@ def main(argv=None):
     os.makedirs(args.output, exist_ok=True)
     check_settings(args.output, experiment.settings(args), args.restart)
     check_runs(experiment, args.compare)
-    print(f"experiment: {args.config}: {experiment.train_examples} training examples, "
-          f"batch {experiment.batch_size}, {experiment.epochs} epochs "
-          f"x {experiment.steps_per_epoch} steps, {experiment.replicas} replica(s) {devices}, "
-          f"seed {experiment.seed}", flush=True)
+    print(
+        f"experiment: {args.config}: {experiment.train_examples} training examples, "
+        f"batch {experiment.batch_size}, {experiment.epochs} epochs "
+        f"x {experiment.steps_per_epoch} steps, {experiment.replicas} replica(s) {devices}, "
+        f"seed {experiment.seed}",
+        flush=True,
+    )
     if experiment.note:
         print(f"experiment: {experiment.note}", flush=True)
     arrays = data.load(args.data_dir, args.cache_dir)
@@ -555,8 +644,9 @@ def main(argv=None):
         print(f"\n=== {name} ===", flush=True)
         with open(os.path.join(args.output, f"{name}.optimization.json"), "w") as f:
             json.dump(block, f, indent=2)
-        runs[name] = train_run(name, block, experiment, strategy, arrays,
-                               os.path.join(args.output, name), args.verbose)
+        runs[name] = train_run(
+            name, block, experiment, strategy, arrays, os.path.join(args.output, name), args.verbose
+        )
     rows = summarize(runs, experiment)
     table = format_table(rows)
     with open(os.path.join(args.output, "summary.json"), "w") as f:

@@ -14,23 +14,33 @@ from tf_vrgd.lamb import LAMB
 class VRLAMB(GSNRMixin, LAMB):
     """VR-LAMB (Algorithm 5): `tf_vrgd.LAMB` on the GSNR-scaled mean gradient.
 
-    ghat as in `tf_vrgd.VRSGD` (GSNR momentum beta_3 by default, as in the
-    paper's BERT runs), then the LAMB rule of `tf_vrgd.LAMB` with ghat in
-    place of the gradient. With `weight_decay_rate = 0` and `gamma = 1` this
-    is exactly `keras.optimizers.Lamb`.
+        ghat as in `tf_vrgd.VRSGD` (GSNR momentum beta_3 by default, as in the
+        paper's BERT runs), then the LAMB rule of `tf_vrgd.LAMB` with ghat in
+        place of the gradient. With `weight_decay_rate = 0` and `gamma = 1` this
+        is exactly `keras.optimizers.Lamb`.
 
-    Args:
-        learning_rate, beta_1, beta_2, epsilon, weight_decay_rate,
-        exclude_from_weight_decay, exclude_from_layer_adaptation: as in
-            `tf_vrgd.LAMB` (defaults 0.001, 0.9, 0.999, 1e-6, 0.0, None, None).
-{vr_args}    """
+        Args:
+            learning_rate, beta_1, beta_2, epsilon, weight_decay_rate,
+            exclude_from_weight_decay, exclude_from_layer_adaptation: as in
+                `tf_vrgd.LAMB` (defaults 0.001, 0.9, 0.999, 1e-6, 0.0, None, None).
+    {vr_args}"""
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
-                 epsilon=1e-6, weight_decay_rate=0.0,
-                 exclude_from_weight_decay=None,
-                 exclude_from_layer_adaptation=None, gamma=0.1, beta_3=0.9,
-                 gsnr_epsilon=1e-6, jit_update=True,
-                 track_gsnr_statistics=False, **kwargs):
+    def __init__(
+        self,
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-6,
+        weight_decay_rate=0.0,
+        exclude_from_weight_decay=None,
+        exclude_from_layer_adaptation=None,
+        gamma=0.1,
+        beta_3=0.9,
+        gsnr_epsilon=1e-6,
+        jit_update=True,
+        track_gsnr_statistics=False,
+        **kwargs,
+    ):
         super().__init__(
             learning_rate=learning_rate,
             beta_1=beta_1,
@@ -41,8 +51,7 @@ class VRLAMB(GSNRMixin, LAMB):
             exclude_from_layer_adaptation=exclude_from_layer_adaptation,
             **kwargs,
         )
-        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update,
-                        track_gsnr_statistics)
+        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics)
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}

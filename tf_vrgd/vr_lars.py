@@ -13,24 +13,34 @@ from tf_vrgd.lars import LARS
 class VRLARS(GSNRMixin, LARS):
     """VR-LARS: `tf_vrgd.LARS` applied to ``ghat = phat * gbar``.
 
-    ghat as in `tf_vrgd.VRSGD`; then ``u = ghat + weight_decay_rate * w``,
-    ``trust = trust_coefficient * ||w|| / ||u||`` (1 on zero norms or for
-    excluded variables), ``v <- momentum v + lr trust u; w <- w - v``. With
-    `gamma = 1` this is exactly `tf_vrgd.LARS`.
+        ghat as in `tf_vrgd.VRSGD`; then ``u = ghat + weight_decay_rate * w``,
+        ``trust = trust_coefficient * ||w|| / ||u||`` (1 on zero norms or for
+        excluded variables), ``v <- momentum v + lr trust u; w <- w - v``. With
+        `gamma = 1` this is exactly `tf_vrgd.LARS`.
 
-    Args:
-        learning_rate: Defaults to 0.1.
-        momentum, nesterov, trust_coefficient, weight_decay_rate,
-        exclude_from_weight_decay, exclude_from_layer_adaptation: as in
-            `tf_vrgd.LARS` (defaults 0.9, False, 0.001, 0.0, None, None).
-{vr_args}    """
+        Args:
+            learning_rate: Defaults to 0.1.
+            momentum, nesterov, trust_coefficient, weight_decay_rate,
+            exclude_from_weight_decay, exclude_from_layer_adaptation: as in
+                `tf_vrgd.LARS` (defaults 0.9, False, 0.001, 0.0, None, None).
+    {vr_args}"""
 
-    def __init__(self, learning_rate=0.1, momentum=0.9, nesterov=False,
-                 trust_coefficient=0.001, weight_decay_rate=0.0,
-                 exclude_from_weight_decay=None,
-                 exclude_from_layer_adaptation=None, gamma=0.1, beta_3=0.0,
-                 gsnr_epsilon=1e-6, jit_update=True,
-                 track_gsnr_statistics=False, **kwargs):
+    def __init__(
+        self,
+        learning_rate=0.1,
+        momentum=0.9,
+        nesterov=False,
+        trust_coefficient=0.001,
+        weight_decay_rate=0.0,
+        exclude_from_weight_decay=None,
+        exclude_from_layer_adaptation=None,
+        gamma=0.1,
+        beta_3=0.0,
+        gsnr_epsilon=1e-6,
+        jit_update=True,
+        track_gsnr_statistics=False,
+        **kwargs,
+    ):
         super().__init__(
             learning_rate=learning_rate,
             momentum=momentum,
@@ -41,8 +51,7 @@ class VRLARS(GSNRMixin, LARS):
             exclude_from_layer_adaptation=exclude_from_layer_adaptation,
             **kwargs,
         )
-        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update,
-                        track_gsnr_statistics)
+        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics)
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}

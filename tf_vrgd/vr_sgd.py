@@ -4,8 +4,7 @@ an algorithm box)."""
 
 import keras
 
-from tf_vrgd import _validation
-from tf_vrgd import _gsnr
+from tf_vrgd import _gsnr, _validation
 from tf_vrgd._gsnr import GSNRMixin
 
 
@@ -13,39 +12,47 @@ from tf_vrgd._gsnr import GSNRMixin
 class VRSGD(GSNRMixin, keras.optimizers.SGD):
     """VR-SGD (Algorithm 1), and VR-Momentum when `momentum > 0`.
 
-    Per update, from k >= 2 gradient samples g_d (k = replicas x
-    gradient_accumulation_steps), element-wise:
+        Per update, from k >= 2 gradient samples g_d (k = replicas x
+        gradient_accumulation_steps), element-wise:
 
-        gbar = mean_d g_d,   s = mean_d g_d^2,   var = max(s - gbar^2, 0)
-        r    = clip(GSNR / mean_layer(GSNR), gamma, 1),
-               GSNR = gbar^2 / max(var, gsnr_epsilon * s)
-        p    = beta_3 * p + (1 - beta_3) * r;  phat = p / (1 - beta_3^t)
-               (beta_3 = 0: phat = r, as in Algorithm 1)
-        ghat = phat * gbar
+            gbar = mean_d g_d,   s = mean_d g_d^2,   var = max(s - gbar^2, 0)
+            r    = clip(GSNR / mean_layer(GSNR), gamma, 1),
+                   GSNR = gbar^2 / max(var, gsnr_epsilon * s)
+            p    = beta_3 * p + (1 - beta_3) * r;  phat = p / (1 - beta_3^t)
+                   (beta_3 = 0: phat = r, as in Algorithm 1)
+            ghat = phat * gbar
 
-    then Keras' SGD rule on ghat: ``m <- momentum * m - lr * ghat;
-    w <- w + m`` (Nesterov: ``w <- w + momentum * m - lr * ghat``).
-    Where the paper divides by the raw variance, this package floors it at
-    `gsnr_epsilon * s`, so identical samples give r = 1 instead of NaN.
-    With `gamma = 1` this is exactly `keras.optimizers.SGD`.
+        then Keras' SGD rule on ghat: ``m <- momentum * m - lr * ghat;
+        w <- w + m`` (Nesterov: ``w <- w + momentum * m - lr * ghat``).
+        Where the paper divides by the raw variance, this package floors it at
+        `gsnr_epsilon * s`, so identical samples give r = 1 instead of NaN.
+        With `gamma = 1` this is exactly `keras.optimizers.SGD`.
 
-    Args:
-        learning_rate: Float >= 0, schedule or callable. Defaults to 0.01.
-        momentum: Float in [0, 1). Defaults to 0.0 (VR-SGD).
-        nesterov: Bool. Defaults to False.
-{vr_args}    """
+        Args:
+            learning_rate: Float >= 0, schedule or callable. Defaults to 0.01.
+            momentum: Float in [0, 1). Defaults to 0.0 (VR-SGD).
+            nesterov: Bool. Defaults to False.
+    {vr_args}"""
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False,
-                 gamma=0.1, beta_3=0.0, gsnr_epsilon=1e-6, jit_update=True,
-                 track_gsnr_statistics=False,
-                 **kwargs):
+    def __init__(
+        self,
+        learning_rate=0.01,
+        momentum=0.0,
+        nesterov=False,
+        gamma=0.1,
+        beta_3=0.0,
+        gsnr_epsilon=1e-6,
+        jit_update=True,
+        track_gsnr_statistics=False,
+        **kwargs,
+    ):
         _validation.check_learning_rate(learning_rate)
         _validation.check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         _validation.check_bool("nesterov", nesterov)
-        super().__init__(learning_rate=learning_rate, momentum=momentum,
-                         nesterov=nesterov, **kwargs)
-        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update,
-                        track_gsnr_statistics)
+        super().__init__(
+            learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs
+        )
+        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics)
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}
