@@ -13,28 +13,37 @@ from tests import references as ref
 import tf_vrgd
 
 
-def _reference_statistics(samples_per_update, gamma):
-    """Per variable: [mean raw GSNR, fraction at gamma, fraction at 1],
-    averaged over updates."""
+def _reference_statistics(samples_per_update, gamma, beta_3=0.0):
+    """Per variable: [mean raw GSNR, fraction at gamma, fraction at 1, mean
+    applied factor (r, or phat with GSNR momentum)], averaged over updates."""
     rows = []
     for i in range(len(samples_per_update[0])):
         per_update = []
-        for samples in samples_per_update:
+        momentum = 0.0
+        for t, samples in enumerate(samples_per_update, start=1):
             raw, _ = ref.raw_gsnr(samples[i])
             r, _ = ref.gsnr_scale(samples[i], gamma)
-            per_update.append([raw.mean(), np.mean(r <= gamma), np.mean(r >= 1.0)])
+            applied = r
+            if beta_3:
+                momentum = beta_3 * momentum + (1 - beta_3) * r
+                applied = momentum / (1 - beta_3**t)
+            per_update.append(
+                [raw.mean(), np.mean(r <= gamma), np.mean(r >= 1.0), np.mean(applied)]
+            )
         rows.append(np.mean(per_update, axis=0))
     return rows
 
 
-def _assert_statistics_match(optimizer, shapes, samples, gamma, name):
+def _assert_statistics_match(optimizer, shapes, samples, gamma, name, beta_3=0.0):
     statistics = optimizer.gsnr_statistics()
     paths = [v.path for v in optimizer._trainable_variables]
     assert list(statistics) == paths
-    for path, shape, expected in zip(paths, shapes, _reference_statistics(samples, gamma)):
+    references = _reference_statistics(samples, gamma, beta_3)
+    for path, shape, expected in zip(paths, shapes, references):
         got = statistics[path]
         assert got["updates"] == len(samples)
         ref.assert_close(got["mean_gsnr"], expected[0], f"{name} mean GSNR", rtol=1e-4)
+        ref.assert_close(got["mean_scale"], expected[3], f"{name} mean applied scale", rtol=1e-4)
         # A fraction may differ by one element that float32 puts on the
         # other side of a clip bound.
         one_element = 1.0 / (np.prod(shape) * len(samples))
@@ -42,8 +51,9 @@ def _assert_statistics_match(optimizer, shapes, samples, gamma, name):
             assert abs(got[key] - value) <= one_element + 1e-7, (path, key, got[key], value)
 
 
+@pytest.mark.parametrize("beta_3", [0.0, 0.5])
 @pytest.mark.parametrize("accumulation", [None, 2])
-def test_statistics_match_numpy_on_four_replicas(strategy, accumulation):
+def test_statistics_match_numpy_on_four_replicas(strategy, accumulation, beta_3):
     gamma = 0.3
     steps = accumulation or 1
     shapes = [w.shape for w in helpers.make_model().get_weights()]
@@ -54,16 +64,18 @@ def test_statistics_match_numpy_on_four_replicas(strategy, accumulation):
             0.01,
             momentum=0.9,
             gamma=gamma,
+            beta_3=beta_3,
             gradient_accumulation_steps=accumulation,
             track_gsnr_statistics=True,
         ),
         stream,
     )
     samples = helpers.samples_per_update(stream, steps)
-    _assert_statistics_match(optimizer, shapes, samples, gamma, "GSNR statistics")
+    _assert_statistics_match(optimizer, shapes, samples, gamma, "GSNR statistics", beta_3)
     # Some elements sit at each bound, so the fractions are not trivially 0 or 1.
     sums = optimizer.gsnr_statistic_sums()
-    assert 0 < sums[:, 1].sum() < sums[:, 3].sum() * len(shapes)
+    assert sums.shape == (len(shapes), 5)
+    assert 0 < sums[:, 1].sum() < sums[:, -1].sum() * len(shapes)
 
     optimizer.reset_gsnr_statistics()
     np.testing.assert_array_equal(optimizer.gsnr_statistic_sums(), 0.0)
@@ -130,6 +142,7 @@ def test_monitor_logs_into_history_batches_and_tensorboard(strategy, tmp_path):
             ("mean_gsnr", "gsnr_mean"),
             ("fraction_at_gamma", "gsnr_at_gamma"),
             ("fraction_at_one", "gsnr_at_one"),
+            ("mean_scale", "gsnr_scale"),
         ):
             values = history.history[f"{log_key}/{path}"]
             assert len(values) == 2 and values[-1] == pytest.approx(stats[key])
@@ -137,6 +150,9 @@ def test_monitor_logs_into_history_batches_and_tensorboard(strategy, tmp_path):
         sizes.values()
     )
     assert history.history["gsnr_at_one"][-1] == pytest.approx(at_one)
+    scale = sum(sizes[p] * s["mean_scale"] for p, s in statistics.items()) / sum(sizes.values())
+    assert history.history["gsnr_scale"][-1] == pytest.approx(scale)
+    assert 0.2 <= scale <= 1.0  # VR-Adam's phat lies in [gamma, 1] like r
 
     events = glob.glob(str(tmp_path / "train" / "events.out.tfevents.*"))
     assert events
@@ -171,7 +187,13 @@ def test_monitor_finds_a_wrapped_vr_optimizer_and_refuses_others():
         verbose=0,
         callbacks=[tf_vrgd.GSNRMonitor(per_variable=False)],
     )
-    assert set(history.history) == {"loss", "gsnr_mean", "gsnr_at_gamma", "gsnr_at_one"}
+    assert set(history.history) == {
+        "loss",
+        "gsnr_mean",
+        "gsnr_at_gamma",
+        "gsnr_at_one",
+        "gsnr_scale",
+    }
     assert np.isfinite(history.history["gsnr_mean"][0])
 
     model = helpers.make_model()

@@ -1,11 +1,12 @@
 """tf_vrgd: large-batch optimizers for Keras 3 on TensorFlow.
 
-LARS, LAMB (Model Garden form) and the LARC wrapper, and the VR family of "Accelerating Large Batch
-Training via Gradient Signal to Noise Ratio" (VR-SGD/Momentum, VR-Adam,
-VR-LARS, VR-LAMB).
+LARS, LAMB (Model Garden form) and the LARC wrapper, and the VR family of
+"Accelerating Large Batch Training via Gradient Signal to Noise Ratio"
+(VR-SGD/Momentum, VR-Adam, VR-LARS, VR-LAMB).
 """
 
-from tf_vrgd import functional
+from tf_vrgd import functional, schedules, statistics
+from tf_vrgd._gsnr import find_vr_optimizer
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
@@ -27,5 +28,8 @@ __all__ = [
     "GSNRMonitor",
     "VRAdam",
     "__version__",
+    "find_vr_optimizer",
     "functional",
+    "schedules",
+    "statistics",
 ]

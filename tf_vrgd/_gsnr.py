@@ -31,7 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_vrgd import _validation, functional
+from tf_vrgd import _validation, functional, statistics
 
 # Variables of at most this many elements (64 KiB in float32) are updated
 # together by `GSNRMixin._packed_update` instead of one by one in the XLA
@@ -143,7 +143,7 @@ class GSNRMixin:
             self._accumulated_squares = None
         # Diagnostics, not state: kept out of `variables` and checkpoints.
         self._gsnr_monitor = _Untracked(
-            float32_slots("gsnr_statistics", shape=(4,), track=False)
+            float32_slots("gsnr_statistics", shape=(statistics.ROW_WIDTH,), track=False)
             if self.track_gsnr_statistics
             else [None] * len(var_list)
         )
@@ -435,19 +435,20 @@ class GSNRMixin:
             scale, layer_means = functional.segment_normalized_clipped_gsnr(
                 gsnr, segments, sizes, hyper["gamma"]
             )
-            if statistics_slots[0] is not None:
-                rows = functional.segment_gsnr_statistics(
-                    layer_means, scale, segments, sizes, self.gamma
-                )
-                for slot, row in zip(statistics_slots, tf.unstack(rows)):
-                    slot.assign_add(tf.concat([row, [1.0]], 0))
+            applied = scale
             if momentum_slots[0] is not None:
                 beta_3 = hyper["beta_3"]
                 momentum = beta_3 * flatten(momentum_slots) + (1.0 - beta_3) * scale
                 for slot, value in zip(momentum_slots, tf.split(momentum, sizes)):
                     slot.assign(tf.reshape(value, slot.shape))
-                scale = momentum / hyper["correction"]
-            scaled_gradients = tf.split(scale * gradient_mean, sizes)
+                applied = momentum / hyper["correction"]
+            if statistics_slots[0] is not None:
+                rows = functional.segment_gsnr_statistics(
+                    layer_means, scale, applied, segments, sizes, self.gamma
+                )
+                for slot, row in zip(statistics_slots, tf.unstack(rows)):
+                    slot.assign_add(tf.concat([row, [1.0]], 0))
+            scaled_gradients = tf.split(applied * gradient_mean, sizes)
             for variable, decay, gradient in zip(variables, decays, scaled_gradients):
                 if decay:  # Keras' decoupled weight decay, applied as Keras does.
                     variable.assign_sub(
@@ -475,20 +476,20 @@ class GSNRMixin:
             )
             gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
             scale = functional.normalized_clipped_gsnr(gsnr, hyper["gamma"])
-            if statistics_slot is not None:
-                # Running sums of [mean GSNR, at gamma, at 1, updates]. Off by
-                # default: XLA on CPU runs these reductions slowly
-                # (`scripts/bench_step.py --statistics`).
-                statistics_slot.assign_add(
-                    tf.concat([functional.gsnr_statistics(gsnr, scale, self.gamma), [1.0]], 0)
-                )
+            applied = scale
             if gsnr_momentum_slot is not None:
                 # functional.gsnr_momentum, with its correction shared.
                 beta_3 = hyper["beta_3"]
                 momentum = beta_3 * gsnr_momentum_slot + (1.0 - beta_3) * scale
                 gsnr_momentum_slot.assign(momentum)
-                scale = momentum / hyper["correction"]
-            scaled_gradient = scale * gradient_mean
+                applied = momentum / hyper["correction"]
+            if statistics_slot is not None:
+                # Running sums of tf_vrgd.statistics' columns and the update
+                # count. Off by default: XLA on CPU runs these reductions
+                # slowly (`scripts/bench_step.py --statistics`).
+                row = functional.gsnr_statistics(gsnr, scale, applied, self.gamma)
+                statistics_slot.assign_add(tf.concat([row, [1.0]], 0))
+            scaled_gradient = applied * gradient_mean
             if decays:  # Keras' decoupled weight decay, applied as Keras does.
                 variable.assign_sub(
                     variable
@@ -503,11 +504,12 @@ class GSNRMixin:
 
     def gsnr_statistic_sums(self):
         """Running sums since the last `reset_gsnr_statistics`, one row per
-        trainable variable: ``[sum of mean raw GSNR, sum of the fraction of
-        elements clipped to gamma, sum of the fraction at 1, updates]``.
+        trainable variable: the per-update values of the columns of
+        `tf_vrgd.statistics.COLUMNS`, summed, then the number of updates.
 
-        Returns a float32 numpy array of shape ``[variables, 4]`` (read from
-        the device in one transfer), or None before the optimizer is built.
+        Returns a float32 numpy array of shape
+        ``[variables, statistics.ROW_WIDTH]`` (read from the device in one
+        transfer), or None before the optimizer is built.
         Raises ValueError unless `track_gsnr_statistics` is True.
         """
         self._check_tracking("gsnr_statistic_sums")
@@ -521,9 +523,11 @@ class GSNRMixin:
 
         Returns:
             A dict from variable path to ``{"mean_gsnr", "fraction_at_gamma",
-            "fraction_at_one", "updates"}``: the mean over the variable's
-            elements of the raw GSNR ``gbar^2 / var``, and the fractions of
-            elements whose normalised GSNR was clipped to `gamma` or to 1.
+            "fraction_at_one", "mean_scale", "updates"}``: the mean over the
+            variable's elements of the raw GSNR ``gbar^2 / var``, the
+            fractions of elements whose normalised GSNR was clipped to
+            `gamma` or to 1, and the mean factor applied to gbar (after the
+            clip and the GSNR momentum; `tf_vrgd.statistics.COLUMNS`).
             The averages are NaN when no update has run. Empty before the
             optimizer is built. Raises ValueError unless
             `track_gsnr_statistics` is True.
@@ -533,9 +537,14 @@ class GSNRMixin:
         if sums is None:
             return {}
         return {
-            variable_path(variable): summarize_gsnr_sums(row)
+            variable_path(variable): statistics.summarize(row)
             for variable, row in zip(self._trainable_variables, sums)
         }
+
+    def trainable_variables_in_order(self):
+        """The variables this optimizer was built on, in the order of its
+        statistics rows."""
+        return list(self._trainable_variables)
 
     def reset_gsnr_statistics(self):
         """Restarts the running sums behind `gsnr_statistics` (no host sync)."""
@@ -566,18 +575,6 @@ def find_vr_optimizer(optimizer):
     while optimizer is not None and not isinstance(optimizer, GSNRMixin):
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return optimizer
-
-
-def summarize_gsnr_sums(row):
-    """``[sums of mean GSNR, at gamma, at 1, updates]`` -> their averages."""
-    updates = float(row[3])
-    averages = row[:3] / updates if updates > 0 else np.full(3, np.nan)
-    return {
-        "mean_gsnr": float(averages[0]),
-        "fraction_at_gamma": float(averages[1]),
-        "fraction_at_one": float(averages[2]),
-        "updates": int(updates),
-    }
 
 
 def _moments(sum_of_gradients, sum_of_squares, samples, replicas):

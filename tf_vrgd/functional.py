@@ -227,36 +227,39 @@ def segment_normalized_clipped_gsnr(gsnr, segment_ids, sizes, gamma):
     return tf.clip_by_value(normalized, tf.gather(floors, segment_ids), 1.0), layer_means
 
 
-def segment_gsnr_statistics(layer_means, scale, segment_ids, sizes, gamma):
+def segment_gsnr_statistics(layer_means, scale, applied, segment_ids, sizes, gamma):
     """`gsnr_statistics` of each variable of a packed vector (see
-    `segment_normalized_clipped_gsnr`): float32 ``[variables, 3]`` rows of
-    [mean raw GSNR, fraction at gamma, fraction at 1]; fractions are 0 for an
-    empty variable."""
+    `segment_normalized_clipped_gsnr`): float32 ``[variables, 4]`` rows;
+    fractions and the applied mean are 0 for an empty variable."""
     counts = tf.constant([max(size, 1) for size in sizes], tf.float32)
-    bounds = tf.stack(
-        [tf.cast(scale <= gamma, tf.float32), tf.cast(scale >= 1.0, tf.float32)], axis=1
+    columns = tf.stack(
+        [tf.cast(scale <= gamma, tf.float32), tf.cast(scale >= 1.0, tf.float32), applied], axis=1
     )
-    fractions = tf.math.unsorted_segment_sum(bounds, segment_ids, len(sizes)) / counts[:, None]
-    return tf.concat([layer_means[:, None], fractions], axis=1)
+    means = tf.math.unsorted_segment_sum(columns, segment_ids, len(sizes)) / counts[:, None]
+    return tf.concat([layer_means[:, None], means], axis=1)
 
 
-def gsnr_statistics(gsnr, scale, gamma):
-    """Summary of one variable's GSNR for monitoring.
+def gsnr_statistics(gsnr, scale, applied, gamma):
+    """Summary of one variable's GSNR for monitoring, in the order of
+    `tf_vrgd.statistics.NAMES`.
 
     Args:
         gsnr: the raw element-wise GSNR (`raw_gsnr`).
         scale: the normalised, clipped factor r (`normalized_clipped_gsnr`).
+        applied: the factor applied to gbar (r, or phat with GSNR momentum).
         gamma: the lower clip.
 
     Returns:
         float32 ``[mean raw GSNR, fraction of elements at gamma, fraction at
-        1]``. With ``gamma = 1`` every element is at both bounds.
+        1, mean applied factor]``. With ``gamma = 1`` every element is at
+        both bounds.
     """
     return tf.stack(
         [
             tf.reduce_mean(gsnr),
             tf.reduce_mean(tf.cast(scale <= gamma, tf.float32)),
             tf.reduce_mean(tf.cast(scale >= 1.0, tf.float32)),
+            tf.reduce_mean(applied),
         ]
     )
 

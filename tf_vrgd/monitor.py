@@ -5,13 +5,7 @@ Keras' own `TensorBoard` callback)."""
 import keras
 import numpy as np
 
-from tf_vrgd import _gsnr
-
-_STATISTICS = (
-    ("mean_gsnr", "gsnr_mean"),
-    ("fraction_at_gamma", "gsnr_at_gamma"),
-    ("fraction_at_one", "gsnr_at_one"),
-)
+from tf_vrgd import _gsnr, statistics
 
 
 class GSNRMonitor(keras.callbacks.Callback):
@@ -25,8 +19,10 @@ class GSNRMonitor(keras.callbacks.Callback):
     `update_freq`, every `update_freq` batches) and adds their averages over
     the updates since the previous read to `logs`:
 
-    - ``gsnr_mean``, ``gsnr_at_gamma``, ``gsnr_at_one``: over all elements
-      of all trainable variables (variables weighted by their size);
+    - ``gsnr_mean``, ``gsnr_at_gamma``, ``gsnr_at_one``, ``gsnr_scale``
+      (the mean factor applied to the gradient: the effective learning-rate
+      multiplier): over all elements of all trainable variables (variables
+      weighted by their size; `tf_vrgd.statistics` defines them);
     - with `per_variable`, ``gsnr_mean/<variable path>`` and so on for each
       variable.
 
@@ -99,25 +95,15 @@ class GSNRMonitor(keras.callbacks.Callback):
         logs.update(self.statistics_logs(span))
 
     def statistics_logs(self, sums):
-        """Log entries from a ``[variables, 4]`` array of running sums."""
-        variables = self._optimizer._trainable_variables
-        # Model-wide figures weight each variable by its elements; empty
-        # variables have no elements and take no part.
-        sizes = np.array([int(np.prod(v.shape)) for v in variables], np.float64)
-        entries = {}
-        updates = sums[:, 3].astype(np.float64)
-        nonempty = sizes > 0
-        with np.errstate(invalid="ignore", divide="ignore"):
-            averages = sums[nonempty, :3] / updates[nonempty, None]
-            overall = (averages * sizes[nonempty, None]).sum(axis=0) / sizes.sum()
-        for column, (_, key) in enumerate(_STATISTICS):
-            entries[key] = float(overall[column])
-        if self.per_variable:
-            for variable, row in zip(variables, sums):
-                summary = _gsnr.summarize_gsnr_sums(row)
-                for name, key in _STATISTICS:
-                    entries[f"{key}/{_gsnr.variable_path(variable)}"] = summary[name]
-        return entries
+        """Log entries from ``[variables, statistics.ROW_WIDTH]`` running
+        sums (`tf_vrgd.statistics.log_entries`)."""
+        variables = self._optimizer.trainable_variables_in_order()
+        return statistics.log_entries(
+            sums,
+            [_gsnr.variable_path(v) for v in variables],
+            [int(np.prod(v.shape)) for v in variables],
+            self.per_variable,
+        )
 
     def get_config(self):
         return {"update_freq": self.update_freq, "per_variable": self.per_variable}

@@ -314,6 +314,8 @@ def save_checkpoint(model, run_dir, epochs_done):
 def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
     import keras
 
+    from tf_vrgd import statistics
+
     class EpochEnd(keras.callbacks.Callback):
         """Evaluates, records the epoch's metrics, then checkpoints."""
 
@@ -344,9 +346,8 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
                     # A loaded model's paths lack the model-name prefix of a
                     # fresh one; keys must not change when a run resumes.
                     path = path.removeprefix(f"{model.name}/")
-                    record[f"gsnr_mean/{path}"] = stats["mean_gsnr"]
-                    record[f"gsnr_at_gamma/{path}"] = stats["fraction_at_gamma"]
-                    record[f"gsnr_at_one/{path}"] = stats["fraction_at_one"]
+                    for column, key in statistics.LOG_KEYS.items():
+                        record[f"{key}/{path}"] = stats[column]
             records.append(record)
             write_records(run_dir, records)
             # The checkpoint comes last: a run killed before it redoes this epoch.
@@ -402,8 +403,7 @@ def check_runs(experiment, compare):
     """Builds each run's optimizer before anything trains, so that a run
     that cannot train (a VR optimizer with k < 2 samples per update)
     stops the command before the first run, not after it."""
-    from tf_vrgd import config
-    from tf_vrgd._gsnr import find_vr_optimizer
+    from tf_vrgd import config, find_vr_optimizer
 
     for name, block in experiment.runs(compare):
         vr = find_vr_optimizer(config.optimizer_from_config(block))
@@ -420,8 +420,7 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
     import numpy as np
 
     import tf_vrgd
-    from tf_vrgd import config, data, models
-    from tf_vrgd._gsnr import find_vr_optimizer
+    from tf_vrgd import config, data, find_vr_optimizer, models
 
     os.makedirs(run_dir, exist_ok=True)
     remove_partial_checkpoints(run_dir)
@@ -587,19 +586,21 @@ def plot(runs, output):
         keys = sorted({k for r in records for k in r if k.startswith("gsnr_mean/")})
         if not keys:
             continue
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4))
         for key in keys:
             layer = key.split("/", 1)[1]
             epochs = [r["epoch"] + 1 for r in records]
             axes[0].plot(epochs, [r.get(key) for r in records], label=layer)
             axes[1].plot(epochs, [r.get("gsnr_at_gamma/" + layer) for r in records], label=layer)
+            axes[2].plot(epochs, [r.get("gsnr_scale/" + layer) for r in records], label=layer)
         axes[0].set_yscale("log")
         axes[0].set_ylabel("mean raw GSNR")
         axes[1].set_ylabel("fraction clipped to gamma")
+        axes[2].set_ylabel("mean applied scale (effective rate multiplier)")
         for ax in axes:
             ax.set_xlabel("epoch")
             ax.grid(alpha=0.3)
-        axes[1].legend(fontsize=7)
+        axes[2].legend(fontsize=7)
         fig.suptitle(f"GSNR per layer: {name}")
         fig.tight_layout()
         path = os.path.join(output, f"gsnr_{name}.png")

@@ -1,0 +1,78 @@
+"""The GSNR statistics of the VR optimizers: what they hold, their names in
+Python and in Keras logs, and how they are averaged.
+
+A VR optimizer constructed with ``track_gsnr_statistics=True`` keeps, per
+trainable variable, one float32 row of running sums, updated on the device
+at every update: one column per entry of `COLUMNS` (each the per-update
+value, summed), then the number of updates. `summarize` turns a row into
+averages, `model_wide` averages rows over all elements of all variables, and
+`log_entries` names them for Keras logs (`tf_vrgd.GSNRMonitor`,
+`vrgd-train`).
+"""
+
+import numpy as np
+
+# Column -> (meaning, key in Keras logs). The order is the order of the sums
+# in a row, followed by the update count.
+COLUMNS = {
+    "mean_gsnr": ("mean over the variable's elements of the raw GSNR gbar^2 / var", "gsnr_mean"),
+    "fraction_at_gamma": (
+        "fraction of elements whose normalised GSNR was clipped to gamma",
+        "gsnr_at_gamma",
+    ),
+    "fraction_at_one": (
+        "fraction of elements whose normalised GSNR was clipped to 1",
+        "gsnr_at_one",
+    ),
+    "mean_scale": (
+        "mean of the factor applied to gbar (after the clip and the GSNR momentum): "
+        "the variable's effective learning-rate multiplier",
+        "gsnr_scale",
+    ),
+}
+NAMES = tuple(COLUMNS)
+LOG_KEYS = {name: key for name, (_, key) in COLUMNS.items()}
+# Sums, then the update count.
+ROW_WIDTH = len(NAMES) + 1
+
+
+def summarize(row):
+    """A row of running sums -> ``{name: average over updates, "updates": n}``;
+    the averages are NaN when no update has run."""
+    row = np.asarray(row, np.float64)
+    updates = float(row[-1])
+    averages = row[:-1] / updates if updates > 0 else np.full(len(NAMES), np.nan)
+    return {**{name: float(a) for name, a in zip(NAMES, averages)}, "updates": int(updates)}
+
+
+def model_wide(sums, sizes):
+    """Averages over all elements of all variables: each variable's averages
+    weighted by its number of elements (empty variables take no part).
+
+    Args:
+        sums: ``[variables, ROW_WIDTH]`` running sums.
+        sizes: the variables' element counts.
+
+    Returns:
+        ``{name: average}``, NaN where no update has run.
+    """
+    sums = np.asarray(sums, np.float64)
+    sizes = np.asarray(sizes, np.float64)
+    nonempty = sizes > 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        averages = sums[nonempty, :-1] / sums[nonempty, -1:]
+        overall = (averages * sizes[nonempty, None]).sum(axis=0) / sizes.sum()
+    return {name: float(value) for name, value in zip(NAMES, overall)}
+
+
+def log_entries(sums, paths, sizes, per_variable=True):
+    """Keras log entries from ``[variables, ROW_WIDTH]`` running sums: the
+    model-wide `LOG_KEYS`, and with `per_variable`, ``<key>/<path>`` for
+    each variable."""
+    entries = {LOG_KEYS[name]: value for name, value in model_wide(sums, sizes).items()}
+    if per_variable:
+        for path, row in zip(paths, sums):
+            summary = summarize(row)
+            for name in NAMES:
+                entries[f"{LOG_KEYS[name]}/{path}"] = summary[name]
+    return entries
