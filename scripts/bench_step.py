@@ -7,7 +7,7 @@ Prints, per model and device set-up, the median seconds per call of each
 optimizer (interleaved repetitions, one process), the VR/base ratios, the
 XLA/non-XLA ratio of the VR update (and, with --statistics, the cost of
 tracking the GSNR statistics), and the achieved memory traffic of each
-update against the machine's copy bandwidth. See `tf_vrgd/benchmark.py`.
+update against the machine's copy bandwidth. See `tf_vrgd/experiments/benchmark.py`.
 """
 
 import argparse
@@ -91,7 +91,7 @@ def main(argv=None):
             cpus[0], [tf.config.LogicalDeviceConfiguration()] * args.replicas
         )
 
-    from tf_vrgd import benchmark
+    from tf_vrgd.experiments import benchmark
 
     benchmark.run(args, gpus)
 

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-ensure_venv
+ensure_venv experiments
 DATA=/usr/share/datasets/fashion-mnist
 if [ ! -f "$DATA/train-images-idx3-ubyte.gz" ] && [[ " $* " != *" --data-dir"* ]]; then
     echo "Installing the Fashion-MNIST files (dataset-fashion-mnist) into $DATA"

@@ -71,7 +71,8 @@ def run_one(run, args, strategy, arrays):
     """Trains one grid point; returns its result row."""
     import keras
 
-    from tf_vrgd import config, train
+    from tf_vrgd import config
+    from tf_vrgd.experiments import train
 
     keras.backend.clear_session()  # fresh layer names and graph state per run
     name = run["optimizer"]
@@ -190,12 +191,12 @@ def main(argv=None):
         print(report(results))
         return 0
 
-    from tf_vrgd import train
+    from tf_vrgd.experiments import train
 
     devices = train.setup_devices(args.replicas)
     import tensorflow as tf
 
-    from tf_vrgd import data
+    from tf_vrgd.experiments import data
 
     arrays = data.load(args.data_dir, args.cache_dir)
     strategy = tf.distribute.MirroredStrategy(devices)

@@ -2,7 +2,7 @@
 
 import sys
 
-from tf_vrgd.train import main
+from tf_vrgd.experiments.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -63,40 +63,30 @@ def test_linear_regression_steps_to_target():
     assert linear.steps_to_reach([5.0, 3.0], 1.0) is None
 
 
-def test_bench_step_prints_ratios_and_traffic_with_accumulation(capsys):
-    from tf_vrgd import benchmark
+def test_bench_step_measures_every_kind_with_accumulation():
+    from tf_vrgd.experiments import benchmark
 
     # The one-device set-up only: the mirrored one makes its own strategy
     # over the devices the test session's strategy uses.
     args = _script("bench_step").parse_args(
-        [
-            "--setups",
-            "accumulation",
-            "--models",
-            "mlp",
-            "--mlp-parameters",
-            "20000",
-            "--pairs",
-            "Adam",
-            "LARC",
-            "--steps",
-            "1",
-            "--repeats",
-            "1",
-            "--batch",
-            "8",
-        ]
+        "--setups accumulation --models mlp --mlp-parameters 20000 --pairs Adam LARC "
+        "--steps 1 --repeats 1 --first-step-rounds 1 --batch 8".split()
     )
-    benchmark.run(args, gpus=[])
-    out = capsys.readouterr().out
-    assert "memory copy bandwidth" in out
-    rows = [line for line in out.splitlines() if "twin/base" in line]
-    assert [line.split()[:2] for line in rows] == [
-        ["Adam", "update"],
-        ["Adam", "train"],
-        ["LARC", "update"],
-        ["LARC", "train"],
+    lines = []
+    rows = benchmark.measure(args, gpus=[], report=lines.append)
+    assert [(row["pair"], row["kind"]) for row in rows] == [
+        (pair, kind) for pair in ("Adam", "LARC") for kind in ("first step", "update", "train step")
     ]
-    for line in rows:
-        assert ("traffic/bandwidth" in line) == (" update " in line)
-    assert "xla/no-xla" in rows[0] and "xla/no-xla" not in rows[2]
+    for row in rows:
+        candidates = {"base", "vr", "vr no-xla"} if row["pair"] == "Adam" else {"base", "vr"}
+        assert set(row["seconds"]) == candidates
+        assert all(0 < seconds < 120 for seconds in row["seconds"].values())
+        assert ("traffic" in row) == (row["kind"] == "update")
+        assert row["variables"] == 8 and row["replicas"] == 1
+        line = benchmark.format_row(row)
+        ratio = row["seconds"]["vr"] / row["seconds"]["base"]
+        assert line.startswith(f"{row['pair']:<9} {row['kind']}") and f"{ratio:5.2f}" in line
+    # The first step (trace, compile, run) costs more than a steady step.
+    first, _, train = rows[:3]
+    assert first["seconds"]["vr"] > train["seconds"]["vr"]
+    assert lines[0].startswith("memory copy bandwidth")

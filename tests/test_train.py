@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tf_vrgd import data
+from tf_vrgd.experiments import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,7 +124,7 @@ def _command(fashion, output, epochs, compare=False):
     return [
         sys.executable,
         "-m",
-        "tf_vrgd.train",
+        "tf_vrgd.experiments.train",
         "--config",
         os.path.join(ROOT, "configs", "fashion_mnist", "vr_lamb_b256.yaml"),
         "--output",
@@ -219,7 +219,8 @@ def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
 
 
 def test_overrides_rescale_the_schedule_and_the_rate():
-    from tf_vrgd import config, train
+    from tf_vrgd import config
+    from tf_vrgd.experiments import train
 
     path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
     cfg = config.load(path)
@@ -243,14 +244,15 @@ def test_overrides_rescale_the_schedule_and_the_rate():
 
 
 def _experiment(argv):
-    from tf_vrgd import config, train
+    from tf_vrgd import config
+    from tf_vrgd.experiments import train
 
     args = train.parse_args(argv)
     return train.Experiment(config.load(args.config), args), args
 
 
 def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
-    from tf_vrgd import train
+    from tf_vrgd.experiments import train
 
     config_path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
     base = ["--config", config_path, "--output", str(tmp_path)]
@@ -282,7 +284,7 @@ def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
 
 
 def test_partial_checkpoints_are_removed(tmp_path):
-    from tf_vrgd import train
+    from tf_vrgd.experiments import train
 
     for name in ("tmp1234.keras", "tmp99.keras", "checkpoint-epoch2.keras", "notes.txt"):
         (tmp_path / name).write_text("")
@@ -291,7 +293,7 @@ def test_partial_checkpoints_are_removed(tmp_path):
 
 
 def test_compare_checks_every_run_before_training(tmp_path):
-    from tf_vrgd import train
+    from tf_vrgd.experiments import train
 
     config_path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
     experiment, _ = _experiment(

@@ -7,6 +7,7 @@ LARS, LAMB (Model Garden form) and the LARC wrapper, and the VR family of
 
 from tf_vrgd import functional, schedules, statistics
 from tf_vrgd._gsnr import find_vr_optimizer
+from tf_vrgd.adamw import AdamWeightDecay
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
@@ -25,6 +26,7 @@ __all__ = [
     "VRLAMB",
     "VRLARS",
     "VRSGD",
+    "AdamWeightDecay",
     "GSNRMonitor",
     "VRAdam",
     "__version__",

@@ -39,7 +39,7 @@ import keras
 import yaml
 
 from tf_vrgd import _validation, schedules
-from tf_vrgd._exclusion import LayerwiseExclusionMixin
+from tf_vrgd.adamw import AdamWeightDecay
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
@@ -52,34 +52,6 @@ from tf_vrgd.vr_sgd import VRSGD
 _CLIP_FIELDS = {"clipnorm": None, "clipvalue": None, "global_clipnorm": None}
 # Keras base arguments every type takes besides Model Garden's fields.
 _KERAS_FIELDS = {"gradient_accumulation_steps": None}
-
-
-@keras.saving.register_keras_serializable(package="tf_vrgd")
-class AdamWeightDecay(LayerwiseExclusionMixin, keras.optimizers.AdamW):
-    """Keras AdamW with Model Garden's `adamw` weight-decay selection.
-
-    Model Garden's `AdamWeightDecay` decays ``w <- w - lr * rate * w``
-    before the Adam step (what Keras' AdamW does), except for variables whose
-    name matches an `exclude_from_weight_decay` regex, unless one of
-    `include_in_weight_decay` matches first. Both lists are saved.
-    """
-
-    def __init__(self, include_in_weight_decay=None, exclude_from_weight_decay=None, **kwargs):
-        super().__init__(**kwargs)
-        self._init_exclusions(exclude_from_weight_decay, None)
-        self._include_patterns = [str(p) for p in include_in_weight_decay or []] or None
-
-    def _use_weight_decay(self, variable):
-        if self._matches(self._include_patterns, variable):
-            return True
-        return super()._use_weight_decay(variable)
-
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "include_in_weight_decay": self._include_patterns,
-            "exclude_from_weight_decay": self._weight_decay_patterns,
-        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -635,30 +607,3 @@ def optimizer_from_config(cfg):
     _one_of("optimizer", block["optimizer"], {**OPTIMIZER_TYPES, "larc": None})
     learning_rate = learning_rate_from_config(block)
     return _optimizer("optimizer", block["optimizer"], learning_rate, _ema_kwargs(block))
-
-
-def vr_twin_type(kind):
-    """`lamb` <-> `vr_lamb` and so on; None for types without a twin."""
-    if kind.startswith("vr_"):
-        return kind[3:] if kind[3:] in OPTIMIZER_TYPES else None
-    return f"vr_{kind}" if f"vr_{kind}" in OPTIMIZER_TYPES else None
-
-
-def twin_block(block):
-    """The optimization block with its optimizer switched to the VR twin
-    (or back): the type and the key below it are renamed, fields kept
-    (fields only the VR type knows are dropped on the way back)."""
-    block = dict(block)
-    optimizer = dict(block["optimizer"])
-    kind = optimizer["type"]
-    twin = vr_twin_type(kind)
-    if twin is None:
-        raise ValueError(
-            f"Optimizer type {kind!r} has no VR twin. Twins: "
-            f"{sorted(k for k in OPTIMIZER_TYPES if vr_twin_type(k))}"
-        )
-    fields = dict(optimizer.get(kind) or {})
-    if not twin.startswith("vr_"):
-        fields = {k: v for k, v in fields.items() if k in OPTIMIZER_TYPES[twin].fields}
-    block["optimizer"] = {"type": twin, twin: fields}
-    return block

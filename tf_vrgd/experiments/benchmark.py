@@ -230,7 +230,7 @@ def compare(candidates, kind, steps=10, repeats=7, warmup=3):
 
 def cnn():
     """The small Fashion-MNIST CNN of the CPU-scale experiments."""
-    from tf_vrgd import models
+    from tf_vrgd.experiments import models
 
     return models.fashion_mnist_cnn()
 

@@ -233,11 +233,11 @@ class Experiment:
 
     def runs(self, compare):
         """[(run name, optimization block)]: the config's, then its twin."""
-        from tf_vrgd import config
+        from tf_vrgd.experiments import twins
 
         runs = [(self.block["optimizer"]["type"], self.block)]
         if compare:
-            twin = config.twin_block(self.block)
+            twin = twins.twin_block(self.block)
             runs.append((twin["optimizer"]["type"], twin))
         return runs
 
@@ -420,7 +420,8 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
     import numpy as np
 
     import tf_vrgd
-    from tf_vrgd import config, data, find_vr_optimizer, models
+    from tf_vrgd import config, find_vr_optimizer
+    from tf_vrgd.experiments import data, models
 
     os.makedirs(run_dir, exist_ok=True)
     remove_partial_checkpoints(run_dir)
@@ -610,8 +611,24 @@ def plot(runs, output):
     return paths
 
 
+def check_experiment_dependencies():
+    """Stops with the install command if the `experiments` extra is missing."""
+    import importlib.util
+
+    missing = [
+        m for m in ("tensorflow_datasets", "matplotlib") if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        raise SystemExit(
+            f"vrgd-train needs {', '.join(missing)}: install the package with its "
+            "experiments extra, pip install 'tf_vrgd[experiments]' (or '.[experiments]' "
+            "from a checkout)."
+        )
+
+
 def main(argv=None):
     args = parse_args(argv)
+    check_experiment_dependencies()
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from tf_vrgd import config
@@ -622,7 +639,7 @@ def main(argv=None):
 
     import tensorflow as tf
 
-    from tf_vrgd import data
+    from tf_vrgd.experiments import data
 
     if args.deterministic:
         tf.config.experimental.enable_op_determinism()
