@@ -76,12 +76,14 @@ def test_larc_gradient_with_zero_learning_rate_is_finite():
 
 @pytest.mark.parametrize("adapt", [True, False])
 @pytest.mark.parametrize("weight_decay_rate", [0.0, 0.05])
-def test_lars_direction_matches_numpy(adapt, weight_decay_rate):
+def test_layerwise_direction_matches_numpy(adapt, weight_decay_rate):
     w, g = _tensor((5, 5), 3.0), _tensor((5, 5), 1e-2)
-    got = functional.lars_direction(tf.constant(g), tf.constant(w), weight_decay_rate, 0.001, adapt)
+    got = functional.layerwise_direction(
+        tf.constant(g), tf.constant(w), weight_decay_rate, 0.001, adapt
+    )
     u = g.astype(np.float64) + weight_decay_rate * w
     trust = 0.001 * ref.norm(w) / ref.norm(u) if adapt else 1.0
-    ref.assert_close(got, trust * u, "functional.lars_direction")
+    ref.assert_close(got, trust * u, "functional.layerwise_direction")
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

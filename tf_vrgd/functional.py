@@ -112,19 +112,20 @@ def larc_gradient(
     return tf.where(active, decayed * factor, gradient)
 
 
-def lars_direction(gradient, weight, weight_decay_rate, trust_coefficient, adapt):
-    """The LARS step direction before the learning rate and momentum.
+def layerwise_direction(update, weight, weight_decay_rate, trust_coefficient, adapt):
+    """The layer-wise block LARS and LAMB share: decay, then trust ratio.
 
-    ``u = g + weight_decay_rate * w``; returns ``trust * u`` with
+    ``u = update + weight_decay_rate * w``; returns ``trust * u`` with
     ``trust = trust_ratio(||w||, ||u||, trust_coefficient)`` when `adapt`,
-    else ``u``. `weight_decay_rate` and `adapt` are Python values (decided per
-    variable from the exclusion lists, at trace time).
+    else ``u`` (optax's ``add_decayed_weights`` then
+    ``scale_by_trust_ratio``). LARS passes the gradient and its `eta`, LAMB
+    the Adam direction and 1. `weight_decay_rate` and `adapt` are Python
+    values, decided per variable from the exclusion lists at trace time.
     """
-    update = gradient + weight_decay_rate * weight if weight_decay_rate else gradient
+    u = update + weight_decay_rate * weight if weight_decay_rate else update
     if not adapt:
-        return update
-    trust = trust_ratio(l2_norm(weight), l2_norm(update), trust_coefficient)
-    return trust * update
+        return u
+    return trust_ratio(l2_norm(weight), l2_norm(u), trust_coefficient) * u
 
 
 def momentum_step(velocity, scaled_update, momentum, nesterov):

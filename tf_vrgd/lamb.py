@@ -81,14 +81,14 @@ class LAMB(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
         )
         self.assign(m, new_m)
         self.assign(v, new_v)
-        if self._decays[index] and self.weight_decay_rate:
-            direction = direction + self.weight_decay_rate * weight
-        ratio = (
-            functional.trust_ratio(functional.l2_norm(weight), functional.l2_norm(direction))
-            if self._adapts[index]
-            else 1.0
+        direction = functional.layerwise_direction(
+            direction,
+            weight,
+            self.weight_decay_rate if self._decays[index] else 0.0,
+            1.0,
+            adapt=self._adapts[index],
         )
-        self.assign_sub(variable, tf.cast(learning_rate, tf.float32) * ratio * direction)
+        self.assign_sub(variable, tf.cast(learning_rate, tf.float32) * direction)
 
     def get_config(self):
         return {

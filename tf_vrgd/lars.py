@@ -98,7 +98,7 @@ class LARS(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
         weight = tf.cast(variable, tf.float32)
         learning_rate = tf.cast(learning_rate, tf.float32)
 
-        direction = functional.lars_direction(
+        direction = functional.layerwise_direction(
             gradient,
             weight,
             self.weight_decay_rate if self._decays[index] else 0.0,
