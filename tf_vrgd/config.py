@@ -240,38 +240,110 @@ OPTIMIZER_TYPES = {
 }
 LARC_FIELDS = {**_constructor_fields(LARC, exclude=("optimizer",)), "optimizer": None}
 
-# Learning-rate types: fields with Model Garden defaults (None = required).
+
+def _check_stepwise(what, f):
+    if len(f["values"]) != len(f["boundaries"]) + 1 or any(
+        b >= c for b, c in zip(f["boundaries"], f["boundaries"][1:])
+    ):
+        raise ValueError(
+            f"{what} needs increasing `boundaries` and one more value than "
+            f"boundaries. Received: boundaries={f['boundaries']}, values={f['values']}"
+        )
+    S = keras.optimizers.schedules
+    return S.PiecewiseConstantDecay(list(f["boundaries"]), list(f["values"]))
+
+
+def _check_linear_warmup(what, schedule, w):
+    if w["warmup_steps"] <= 0:
+        raise ValueError(f"{what}.warmup_steps must be > 0. Received: {w['warmup_steps']}")
+    return schedules.LinearWarmup(schedule, w["warmup_steps"], w["warmup_learning_rate"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScheduleType:
+    """One learning-rate or warm-up type: its fields with Model Garden's
+    defaults, the ones it requires, and a builder taking (where, fields) for
+    a learning rate or (where, schedule, fields) for a warm-up."""
+
+    fields: dict
+    required: tuple
+    build: callable
+
+
+_S = keras.optimizers.schedules
+# Model Garden's LR_CLS: every type also takes `offset` (schedule(step - offset)).
 LEARNING_RATE_TYPES = {
-    "constant": {"name": "Constant", "learning_rate": 0.1},
-    "stepwise": {"name": "PiecewiseConstantDecay", "boundaries": None, "values": None, "offset": 0},
-    "exponential": {
-        "name": "ExponentialDecay",
-        "initial_learning_rate": None,
-        "decay_steps": None,
-        "decay_rate": None,
-        "staircase": False,
-        "offset": 0,
-    },
-    "polynomial": {
-        "name": "PolynomialDecay",
-        "initial_learning_rate": None,
-        "decay_steps": None,
-        "end_learning_rate": 0.0001,
-        "power": 1.0,
-        "cycle": False,
-        "offset": 0,
-    },
-    "cosine": {
-        "name": "CosineDecay",
-        "initial_learning_rate": None,
-        "decay_steps": None,
-        "alpha": 0.0,
-        "offset": 0,
-    },
+    "constant": _ScheduleType(
+        {"name": "Constant", "learning_rate": 0.1},
+        (),
+        lambda what, f: schedules.Constant(f["learning_rate"]),
+    ),
+    "stepwise": _ScheduleType(
+        {"name": "PiecewiseConstantDecay", "boundaries": None, "values": None, "offset": 0},
+        ("boundaries", "values"),
+        _check_stepwise,
+    ),
+    "exponential": _ScheduleType(
+        {
+            "name": "ExponentialDecay",
+            "initial_learning_rate": None,
+            "decay_steps": None,
+            "decay_rate": None,
+            "staircase": False,
+            "offset": 0,
+        },
+        ("initial_learning_rate", "decay_steps", "decay_rate"),
+        lambda what, f: _S.ExponentialDecay(
+            f["initial_learning_rate"], f["decay_steps"], f["decay_rate"], staircase=f["staircase"]
+        ),
+    ),
+    "polynomial": _ScheduleType(
+        {
+            "name": "PolynomialDecay",
+            "initial_learning_rate": None,
+            "decay_steps": None,
+            "end_learning_rate": 0.0001,
+            "power": 1.0,
+            "cycle": False,
+            "offset": 0,
+        },
+        ("initial_learning_rate", "decay_steps"),
+        lambda what, f: _S.PolynomialDecay(
+            f["initial_learning_rate"],
+            f["decay_steps"],
+            f["end_learning_rate"],
+            f["power"],
+            cycle=f["cycle"],
+        ),
+    ),
+    "cosine": _ScheduleType(
+        {
+            "name": "CosineDecay",
+            "initial_learning_rate": None,
+            "decay_steps": None,
+            "alpha": 0.0,
+            "offset": 0,
+        },
+        ("initial_learning_rate", "decay_steps"),
+        lambda what, f: _S.CosineDecay(
+            f["initial_learning_rate"], f["decay_steps"], alpha=f["alpha"]
+        ),
+    ),
 }
+# Model Garden's WARMUP_CLS.
 WARMUP_TYPES = {
-    "linear": {"name": "linear", "warmup_learning_rate": 0.0, "warmup_steps": None},
-    "polynomial": {"name": "polynomial", "power": 1.0, "warmup_steps": None},
+    "linear": _ScheduleType(
+        {"name": "linear", "warmup_learning_rate": 0.0, "warmup_steps": None},
+        ("warmup_steps",),
+        _check_linear_warmup,
+    ),
+    "polynomial": _ScheduleType(
+        {"name": "polynomial", "power": 1.0, "warmup_steps": None},
+        ("warmup_steps",),
+        lambda what, schedule, w: schedules.PolynomialWarmup(
+            schedule, w["warmup_steps"], w["power"]
+        ),
+    ),
 }
 EMA_FIELDS = {
     "name": "ExponentialMovingAverage",
@@ -478,41 +550,11 @@ def learning_rate_from_config(block):
             f"{sorted(LEARNING_RATE_TYPES)}"
         )
     kind, given = _one_of("learning_rate", cfg, LEARNING_RATE_TYPES)
-    f = _fields(f"learning_rate.{kind}", given, LEARNING_RATE_TYPES[kind])
     what = f"learning_rate.{kind}"
-    S = keras.optimizers.schedules
-    if kind == "constant":
-        schedule = schedules.Constant(f["learning_rate"])
-    elif kind == "stepwise":
-        _required(what, f, "boundaries", "values")
-        if len(f["values"]) != len(f["boundaries"]) + 1 or any(
-            b >= c for b, c in zip(f["boundaries"], f["boundaries"][1:])
-        ):
-            raise ValueError(
-                f"{what} needs increasing `boundaries` and one more value than "
-                f"boundaries. Received: boundaries={f['boundaries']}, values={f['values']}"
-            )
-        schedule = S.PiecewiseConstantDecay(list(f["boundaries"]), list(f["values"]))
-    elif kind == "exponential":
-        _required(what, f, "initial_learning_rate", "decay_steps", "decay_rate")
-        schedule = S.ExponentialDecay(
-            f["initial_learning_rate"],
-            f["decay_steps"],
-            f["decay_rate"],
-            staircase=bool(f["staircase"]),
-        )
-    elif kind == "polynomial":
-        _required(what, f, "initial_learning_rate", "decay_steps")
-        schedule = S.PolynomialDecay(
-            f["initial_learning_rate"],
-            f["decay_steps"],
-            f["end_learning_rate"],
-            f["power"],
-            cycle=f["cycle"],
-        )
-    else:
-        _required(what, f, "initial_learning_rate", "decay_steps")
-        schedule = S.CosineDecay(f["initial_learning_rate"], f["decay_steps"], alpha=f["alpha"])
+    kind = LEARNING_RATE_TYPES[kind]
+    f = _fields(what, given, kind.fields)
+    _required(what, f, *kind.required)
+    schedule = kind.build(what, f)
     if f.get("offset"):
         schedule = schedules.Offset(schedule, f["offset"])
 
@@ -524,18 +566,11 @@ def learning_rate_from_config(block):
         )
     if warmup is not None and warmup.get("type") is not None:
         kind, given = _one_of("warmup", warmup, WARMUP_TYPES)
-        w = _fields(f"warmup.{kind}", given, WARMUP_TYPES[kind])
-        _required(f"warmup.{kind}", w, "warmup_steps")
-        if kind == "linear":
-            if w["warmup_steps"] <= 0:
-                raise ValueError(
-                    f"warmup.linear.warmup_steps must be > 0. Received: {w['warmup_steps']}"
-                )
-            schedule = schedules.LinearWarmup(
-                schedule, w["warmup_steps"], w["warmup_learning_rate"]
-            )
-        else:
-            schedule = schedules.PolynomialWarmup(schedule, w["warmup_steps"], w["power"])
+        what = f"warmup.{kind}"
+        kind = WARMUP_TYPES[kind]
+        w = _fields(what, given, kind.fields)
+        _required(what, w, *kind.required)
+        schedule = kind.build(what, schedule, w)
     return schedule
 
 
