@@ -77,21 +77,9 @@ def run_one(run, args, strategy, arrays):
     keras.backend.clear_session()  # fresh layer names and graph state per run
     name = run["optimizer"]
     path = os.path.join(ROOT, "configs", "fashion_mnist", f"{name}_b{run['batch']}.yaml")
-    cli = train.parse_args(
-        [
-            "--config",
-            path,
-            "--output",
-            args.output,
-            "--epochs",
-            str(args.epochs),
-            "--seed",
-            str(run["seed"]),
-            "--replicas",
-            str(args.replicas),
-        ]
+    experiment = train.Experiment(
+        config.load(path), epochs=args.epochs, seed=run["seed"], replicas=args.replicas
     )
-    experiment = train.Experiment(config.load(path), cli)
     block = train.rescale_schedule(experiment.block, 1.0, run["lr_multiplier"])
     run_dir = os.path.join(args.output, "runs", _key(run))
     records = train.train_run(name, block, experiment, strategy, arrays, run_dir, verbose=0)

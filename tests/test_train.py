@@ -227,7 +227,7 @@ def test_overrides_rescale_the_schedule_and_the_rate():
     args = train.parse_args(
         ["--config", path, "--output", "unused", "--batch-size", "2048", "--epochs", "2"]
     )
-    experiment = train.Experiment(cfg, args)
+    experiment = train.Experiment.from_args(cfg, args)
     assert (experiment.batch_size, experiment.epochs, experiment.steps_per_epoch) == (2048, 2, 29)
     lr = experiment.block["learning_rate"]["cosine"]
     original = cfg["trainer"]["optimizer_config"]["learning_rate"]["cosine"]
@@ -238,9 +238,7 @@ def test_overrides_rescale_the_schedule_and_the_rate():
     with pytest.raises(SystemExit):
         train.parse_args(["--config", path, "--output", "x", "--epochs", "0"])
     with pytest.raises(ValueError, match="does not split over 3 replicas"):
-        train.Experiment(
-            cfg, train.parse_args(["--config", path, "--output", "x", "--replicas", "3"])
-        )
+        train.Experiment(cfg, replicas=3)
 
 
 def _experiment(argv):
@@ -248,7 +246,7 @@ def _experiment(argv):
     from tf_vrgd.experiments import train
 
     args = train.parse_args(argv)
-    return train.Experiment(config.load(args.config), args), args
+    return train.Experiment.from_args(config.load(args.config), args), args
 
 
 def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
@@ -257,13 +255,13 @@ def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
     config_path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
     base = ["--config", config_path, "--output", str(tmp_path)]
     experiment, args = _experiment(base + ["--epochs", "1"])
-    train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+    train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
     run_dir = tmp_path / "lamb"
     run_dir.mkdir()
     (run_dir / "checkpoint-epoch1.keras").write_text("")
     (run_dir / "metrics.jsonl").write_text("")
     # The same command resumes.
-    train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+    train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
     for change, said in (
         (["--epochs", "2"], "epochs: 1 then, 2 now"),
         (["--epochs", "1", "--seed", "5"], "seed: 0 then, 5 now"),
@@ -272,15 +270,15 @@ def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
     ):
         experiment, args = _experiment(base + change)
         with pytest.raises(SystemExit, match=f"{said}.*--restart"):
-            train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+            train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
     other = os.path.join(ROOT, "configs", "fashion_mnist", "adam_b8192.yaml")
     experiment, args = _experiment(["--config", other, "--output", str(tmp_path), "--epochs", "1"])
     with pytest.raises(SystemExit, match="config"):
-        train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+        train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
     # --restart discards the old run and records the new settings.
-    train.check_settings(str(tmp_path), experiment.settings(args), restart=True)
+    train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=True)
     assert not run_dir.exists()
-    train.check_settings(str(tmp_path), experiment.settings(args), restart=False)
+    train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
 
 
 def test_partial_checkpoints_are_removed(tmp_path):

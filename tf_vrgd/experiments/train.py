@@ -162,10 +162,22 @@ def rescale_schedule(block, step_factor, lr_factor):
 
 
 class Experiment:
-    """The parts of an experiment config that `vrgd-train` uses, with the
-    command-line overrides applied."""
+    """The parts of an experiment config that `vrgd-train` uses, with
+    overrides applied (None keeps the config's value).
 
-    def __init__(self, cfg, args):
+    Args:
+        cfg: The experiment (a dict, as `tf_vrgd.config.load` returns it).
+        batch_size: Global batch; the learning rates scale by
+            ``sqrt(batch_size / config batch)``.
+        epochs: Epochs; the schedule's step counts follow the new total.
+        seed: Seed of the initial weights and the data order.
+        replicas: MirroredStrategy replicas.
+        train_examples: Train on the first N training examples only.
+    """
+
+    def __init__(
+        self, cfg, *, batch_size=None, epochs=None, seed=None, replicas=None, train_examples=None
+    ):
         from tf_vrgd import config
 
         self.cfg = cfg
@@ -187,15 +199,15 @@ class Experiment:
             _get(cfg, "trainer.train_steps", 10 * steps_per_epoch(config_batch) // accumulation)
         )
         config_epochs = max(1, round(config_steps * accumulation / steps_per_epoch(config_batch)))
-        self.batch_size = args.batch_size or config_batch
-        self.epochs = args.epochs or config_epochs
-        self.seed = args.seed if args.seed is not None else int(_get(cfg, "runtime.seed", 0) or 0)
-        self.replicas = args.replicas or int(_get(cfg, "runtime.num_gpus", 1) or 1)
+        self.batch_size = batch_size or config_batch
+        self.epochs = epochs or config_epochs
+        self.seed = seed if seed is not None else int(_get(cfg, "runtime.seed", 0) or 0)
+        self.replicas = replicas or int(_get(cfg, "runtime.num_gpus", 1) or 1)
         if self.batch_size % self.replicas:
             raise ValueError(
                 f"The global batch {self.batch_size} does not split over {self.replicas} replicas."
             )
-        self.train_examples = args.train_examples or 60000
+        self.train_examples = train_examples or 60000
         if self.train_examples > 60000:
             raise ValueError(
                 f"--train-examples must be at most 60000. Received: {self.train_examples}"
@@ -217,7 +229,19 @@ class Experiment:
             else ""
         )
 
-    def settings(self, args):
+    @classmethod
+    def from_args(cls, cfg, args):
+        """From `vrgd-train`'s parsed command line."""
+        return cls(
+            cfg,
+            batch_size=args.batch_size,
+            epochs=args.epochs,
+            seed=args.seed,
+            replicas=args.replicas,
+            train_examples=args.train_examples,
+        )
+
+    def settings(self, compare):
         """What a run folder's results depend on: the config and every
         setting that changes the training, recorded at the first start and
         compared at each resume."""
@@ -228,7 +252,7 @@ class Experiment:
             "seed": self.seed,
             "replicas": self.replicas,
             "train_examples": self.train_examples,
-            "compare": bool(args.compare),
+            "compare": bool(compare),
         }
 
     def runs(self, compare):
@@ -634,7 +658,7 @@ def main(argv=None):
     from tf_vrgd import config
 
     cfg = config.load(args.config)
-    experiment = Experiment(cfg, args)
+    experiment = Experiment.from_args(cfg, args)
     devices = setup_devices(experiment.replicas)
 
     import tensorflow as tf
@@ -644,7 +668,7 @@ def main(argv=None):
     if args.deterministic:
         tf.config.experimental.enable_op_determinism()
     os.makedirs(args.output, exist_ok=True)
-    check_settings(args.output, experiment.settings(args), args.restart)
+    check_settings(args.output, experiment.settings(args.compare), args.restart)
     check_runs(experiment, args.compare)
     print(
         f"experiment: {args.config}: {experiment.train_examples} training examples, "
