@@ -266,7 +266,7 @@ class GSNRMixin:
                 slot.assign(tf.zeros(slot.shape, slot.dtype))
         self._accumulated_samples.assign(0.0)
 
-    def check_sample_count(self, replicas):
+    def check_sample_count(self, replicas: int) -> None:
         """Raises ValueError, saying how to fix it, unless `replicas` x
         `gradient_accumulation_steps` gives k >= 2 gradient samples per
         update (what the first update checks)."""
@@ -502,7 +502,7 @@ class GSNRMixin:
 
     # -- diagnostics ------------------------------------------------------------
 
-    def gsnr_statistic_sums(self):
+    def gsnr_statistic_sums(self) -> np.ndarray | None:
         """Running sums since the last `reset_gsnr_statistics`, one row per
         trainable variable: the per-update values of the columns of
         `tf_vrgd.statistics.COLUMNS`, summed, then the number of updates.
@@ -517,7 +517,7 @@ class GSNRMixin:
             return None
         return tf.stack([v.value for v in self._gsnr_monitor.value]).numpy()
 
-    def gsnr_statistics(self):
+    def gsnr_statistics(self) -> dict[str, dict[str, float]]:
         """Per-variable GSNR statistics averaged over the updates since the
         last `reset_gsnr_statistics` (or since the start).
 
@@ -541,12 +541,12 @@ class GSNRMixin:
             for variable, row in zip(self._trainable_variables, sums)
         }
 
-    def trainable_variables_in_order(self):
+    def trainable_variables_in_order(self) -> list:
         """The variables this optimizer was built on, in the order of its
         statistics rows."""
         return list(self._trainable_variables)
 
-    def reset_gsnr_statistics(self):
+    def reset_gsnr_statistics(self) -> None:
         """Restarts the running sums behind `gsnr_statistics` (no host sync)."""
         self._check_tracking("reset_gsnr_statistics")
         if self.built:
@@ -570,7 +570,7 @@ class GSNRMixin:
         }
 
 
-def find_vr_optimizer(optimizer):
+def find_vr_optimizer(optimizer: keras.optimizers.Optimizer | None) -> GSNRMixin | None:
     """The VR optimizer inside wrappers (LossScaleOptimizer, LARC), or None."""
     while optimizer is not None and not isinstance(optimizer, GSNRMixin):
         optimizer = getattr(optimizer, "inner_optimizer", None)

@@ -4,6 +4,7 @@ configs) as a Keras 3 optimizer."""
 import keras
 
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
+from tf_vrgd._types import Patterns
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
@@ -16,7 +17,12 @@ class AdamWeightDecay(LayerwiseExclusionMixin, keras.optimizers.AdamW):
     `include_in_weight_decay` matches first. Both lists are saved.
     """
 
-    def __init__(self, include_in_weight_decay=None, exclude_from_weight_decay=None, **kwargs):
+    def __init__(
+        self,
+        include_in_weight_decay: Patterns = None,
+        exclude_from_weight_decay: Patterns = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self._init_exclusions(exclude_from_weight_decay, None)
         self._include_patterns = [str(p) for p in include_in_weight_decay or []] or None

@@ -375,7 +375,7 @@ _SafeLoader.add_implicit_resolver(
 )
 
 
-def load(cfg):
+def load(cfg: dict | str | os.PathLike) -> dict:
     """A dict from a dict, a YAML string or a path to a YAML file (safe
     loader only)."""
     if isinstance(cfg, dict):
@@ -402,7 +402,7 @@ def load(cfg):
     return loaded
 
 
-def optimization_block(cfg):
+def optimization_block(cfg: dict | str | os.PathLike) -> dict:
     """The `optimization` block of `cfg`: the block itself, or a Model Garden
     experiment's `trainer.optimizer_config`."""
     cfg = load(cfg)
@@ -541,7 +541,7 @@ def _required(what, fields, *names):
         raise ValueError(f"{what} needs {missing}.")
 
 
-def learning_rate_from_config(block):
+def learning_rate_from_config(block: dict) -> keras.optimizers.schedules.LearningRateSchedule:
     """A Keras 3 `LearningRateSchedule` from `learning_rate` (+ `warmup`)."""
     cfg = block.get("learning_rate")
     if cfg is None:
@@ -619,7 +619,7 @@ def _optimizer(block_name, cfg, learning_rate, extra):
     return OPTIMIZER_TYPES[kind].build(learning_rate, f, extra)
 
 
-def optimizer_from_config(cfg):
+def optimizer_from_config(cfg: dict | str | os.PathLike) -> keras.optimizers.Optimizer:
     """A Keras 3 optimizer from a Model Garden `optimization` block.
 
     Args:

@@ -9,10 +9,17 @@ All statistics are computed in float32 whatever the variable dtype; callers
 cast the result back to the variable dtype when they assign it.
 """
 
+from collections.abc import Sequence
+
 import tensorflow as tf
 
+# A tensor, a variable, an IndexedSlices or anything tf.convert_to_tensor takes.
+TensorLike = tf.Tensor | tf.Variable | tf.IndexedSlices | float
+# A Python number or a scalar tensor.
+Scalar = float | tf.Tensor
 
-def as_float32(value):
+
+def as_float32(value: TensorLike) -> tf.Tensor:
     """Returns `value` as a dense float32 tensor.
 
     `tf.IndexedSlices` (sparse gradients from `Embedding` layers) are
@@ -24,13 +31,15 @@ def as_float32(value):
     return tf.cast(value, tf.float32)
 
 
-def l2_norm(tensor):
+def l2_norm(tensor: TensorLike) -> tf.Tensor:
     """Euclidean norm of all elements of `tensor`, as a float32 scalar."""
     tensor = tf.cast(tensor, tf.float32)
     return tf.sqrt(tf.reduce_sum(tf.square(tensor)))
 
 
-def trust_ratio(weight_norm, update_norm, trust_coefficient=1.0):
+def trust_ratio(
+    weight_norm: tf.Tensor, update_norm: tf.Tensor, trust_coefficient: Scalar = 1.0
+) -> tf.Tensor:
     """Layer-wise trust ratio of LARS and LAMB.
 
     Returns ``trust_coefficient * weight_norm / update_norm`` where both norms
@@ -51,14 +60,14 @@ def trust_ratio(weight_norm, update_norm, trust_coefficient=1.0):
 
 
 def larc_factor(
-    weight_norm,
-    gradient_norm,
-    learning_rate,
-    trust_coefficient,
-    epsilon,
-    weight_decay,
-    clip,
-):
+    weight_norm: tf.Tensor,
+    gradient_norm: tf.Tensor,
+    learning_rate: Scalar,
+    trust_coefficient: float,
+    epsilon: float,
+    weight_decay: float,
+    clip: bool,
+) -> tuple[tf.Tensor, tf.Tensor]:
     """LARC's per-variable gradient multiplier (Apex semantics).
 
     ``a = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + epsilon)``;
@@ -86,14 +95,14 @@ def larc_factor(
 
 
 def larc_gradient(
-    gradient,
-    weight,
-    learning_rate,
-    trust_coefficient,
-    epsilon,
-    weight_decay,
-    clip,
-):
+    gradient: tf.Tensor,
+    weight: tf.Tensor,
+    learning_rate: Scalar,
+    trust_coefficient: float,
+    epsilon: float,
+    weight_decay: float,
+    clip: bool,
+) -> tf.Tensor:
     """The gradient LARC hands to the wrapped optimizer.
 
     ``(g + weight_decay * w) * factor`` where both norms are positive, ``g``
@@ -112,7 +121,13 @@ def larc_gradient(
     return tf.where(active, decayed * factor, gradient)
 
 
-def layerwise_direction(update, weight, weight_decay_rate, trust_coefficient, adapt):
+def layerwise_direction(
+    update: tf.Tensor,
+    weight: tf.Tensor,
+    weight_decay_rate: float,
+    trust_coefficient: float,
+    adapt: bool,
+) -> tf.Tensor:
     """The layer-wise block LARS and LAMB share: decay, then trust ratio.
 
     ``u = update + weight_decay_rate * w``; returns ``trust * u`` with
@@ -128,7 +143,9 @@ def layerwise_direction(update, weight, weight_decay_rate, trust_coefficient, ad
     return trust_ratio(l2_norm(weight), l2_norm(u), trust_coefficient) * u
 
 
-def momentum_step(velocity, scaled_update, momentum, nesterov):
+def momentum_step(
+    velocity: tf.Tensor, scaled_update: tf.Tensor, momentum: float, nesterov: bool
+) -> tuple[tf.Tensor, tf.Tensor]:
     """Classic (heavy-ball) momentum of LARS, Model Garden form.
 
     ``v' = momentum * v + scaled_update``; the step subtracted from the
@@ -146,7 +163,12 @@ def momentum_step(velocity, scaled_update, momentum, nesterov):
 # --- Gradient signal-to-noise ratio (docs/algorithms.md §1-3) ---------------------
 
 
-def gradient_moments(sum_of_gradients, sum_of_squares, replicas, accumulation_steps):
+def gradient_moments(
+    sum_of_gradients: tf.Tensor,
+    sum_of_squares: tf.Tensor,
+    replicas: int,
+    accumulation_steps: int,
+) -> tuple[tf.Tensor, tf.Tensor]:
     """Mean and second moment of the k = replicas x accumulation_steps
     gradient samples, from the all-reduced sums of the scaled samples.
 
@@ -166,13 +188,15 @@ def gradient_moments(sum_of_gradients, sum_of_squares, replicas, accumulation_st
     return gradient_mean, second_moment
 
 
-def sample_moments(sum_of_samples, sum_of_squares, count):
+def sample_moments(
+    sum_of_samples: tf.Tensor, sum_of_squares: tf.Tensor, count: Scalar
+) -> tuple[tf.Tensor, tf.Tensor]:
     """Mean and second moment ``(S1 / n, S2 / n)`` of n gradient samples
     from their sums (accumulated samples, Keras' 1/R scaling undone)."""
     return sum_of_samples / count, sum_of_squares / count
 
 
-def raw_gsnr(gradient_mean, second_moment, epsilon):
+def raw_gsnr(gradient_mean: tf.Tensor, second_moment: tf.Tensor, epsilon: Scalar) -> tf.Tensor:
     """Element-wise GSNR ``gbar^2 / max(var, epsilon * s)``, 0 where s == 0.
 
     ``var = max(s - gbar^2, 0)`` is the population variance of the samples
@@ -189,7 +213,7 @@ def raw_gsnr(gradient_mean, second_moment, epsilon):
     return tf.math.divide_no_nan(squared_mean, denominator)
 
 
-def normalized_clipped_gsnr(gsnr, gamma):
+def normalized_clipped_gsnr(gsnr: tf.Tensor, gamma: Scalar) -> tf.Tensor:
     """Divides by the layer (variable) mean and clips to [gamma, 1].
 
     Eq. 8 and 9 of the paper; where the layer mean is 0 (no signal at all)
@@ -201,12 +225,16 @@ def normalized_clipped_gsnr(gsnr, gamma):
     return tf.clip_by_value(tf.math.divide_no_nan(gsnr, layer_mean), floor, 1.0)
 
 
-def gsnr_scale(gradient_mean, second_moment, gamma, epsilon):
+def gsnr_scale(
+    gradient_mean: tf.Tensor, second_moment: tf.Tensor, gamma: Scalar, epsilon: Scalar
+) -> tf.Tensor:
     """The per-element factor r of docs/algorithms.md §2, in [gamma, 1]."""
     return normalized_clipped_gsnr(raw_gsnr(gradient_mean, second_moment, epsilon), gamma)
 
 
-def segment_normalized_clipped_gsnr(gsnr, segment_ids, sizes, gamma):
+def segment_normalized_clipped_gsnr(
+    gsnr: tf.Tensor, segment_ids: tf.Tensor, sizes: Sequence[int], gamma: Scalar
+) -> tuple[tf.Tensor, tf.Tensor]:
     """`normalized_clipped_gsnr` of several variables packed into one flat
     vector: element i belongs to variable ``segment_ids[i]``, variable j has
     ``sizes[j]`` elements (Python ints, in order).
@@ -228,7 +256,14 @@ def segment_normalized_clipped_gsnr(gsnr, segment_ids, sizes, gamma):
     return tf.clip_by_value(normalized, tf.gather(floors, segment_ids), 1.0), layer_means
 
 
-def segment_gsnr_statistics(layer_means, scale, applied, segment_ids, sizes, gamma):
+def segment_gsnr_statistics(
+    layer_means: tf.Tensor,
+    scale: tf.Tensor,
+    applied: tf.Tensor,
+    segment_ids: tf.Tensor,
+    sizes: Sequence[int],
+    gamma: float,
+) -> tf.Tensor:
     """`gsnr_statistics` of each variable of a packed vector (see
     `segment_normalized_clipped_gsnr`): float32 ``[variables, 4]`` rows;
     fractions and the applied mean are 0 for an empty variable."""
@@ -240,7 +275,9 @@ def segment_gsnr_statistics(layer_means, scale, applied, segment_ids, sizes, gam
     return tf.concat([layer_means[:, None], means], axis=1)
 
 
-def gsnr_statistics(gsnr, scale, applied, gamma):
+def gsnr_statistics(
+    gsnr: tf.Tensor, scale: tf.Tensor, applied: tf.Tensor, gamma: float
+) -> tf.Tensor:
     """Summary of one variable's GSNR for monitoring, in the order of
     `tf_vrgd.statistics.NAMES`.
 
@@ -265,7 +302,9 @@ def gsnr_statistics(gsnr, scale, applied, gamma):
     )
 
 
-def gsnr_momentum(previous, gsnr, beta_3, step):
+def gsnr_momentum(
+    previous: TensorLike, gsnr: tf.Tensor, beta_3: float, step: Scalar
+) -> tuple[tf.Tensor, tf.Tensor]:
     """Bias-corrected momentum of the GSNR (Algorithm 3).
 
     ``p_t = beta_3 * p_{t-1} + (1 - beta_3) * r_t``,
@@ -278,13 +317,21 @@ def gsnr_momentum(previous, gsnr, beta_3, step):
     return new, new / gsnr_momentum_correction(beta_3, step)
 
 
-def gsnr_momentum_correction(beta_3, step):
+def gsnr_momentum_correction(beta_3: float, step: Scalar) -> tf.Tensor:
     """The bias correction ``1 - beta_3^t`` of `gsnr_momentum`, a scalar
     shared by every variable of an update."""
     return 1.0 - tf.pow(tf.cast(beta_3, tf.float32), tf.cast(step, tf.float32))
 
 
-def adam_direction(m, v, gradient, beta_1, beta_2, epsilon, step):
+def adam_direction(
+    m: tf.Tensor,
+    v: tf.Tensor,
+    gradient: tf.Tensor,
+    beta_1: float,
+    beta_2: float,
+    epsilon: float,
+    step: Scalar,
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Bias-corrected Adam direction ``mhat / (sqrt(vhat) + epsilon)`` of
     LAMB (Model Garden / You et al. 2020 form).
 

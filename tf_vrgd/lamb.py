@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tf_vrgd import _validation, functional
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
+from tf_vrgd._types import LearningRate, Patterns
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
@@ -38,15 +39,15 @@ class LAMB(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        learning_rate=0.001,
-        beta_1=0.9,
-        beta_2=0.999,
-        epsilon=1e-6,
-        weight_decay_rate=0.0,
-        exclude_from_weight_decay=None,
-        exclude_from_layer_adaptation=None,
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-6,
+        weight_decay_rate: float = 0.0,
+        exclude_from_weight_decay: Patterns = None,
+        exclude_from_layer_adaptation: Patterns = None,
         **kwargs,
-    ):
+    ) -> None:
         _validation.check_learning_rate(learning_rate)
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.beta_1 = _validation.check_number("beta_1", beta_1, low=0.0, high=1.0, high_open=True)

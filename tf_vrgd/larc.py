@@ -56,13 +56,13 @@ class LARC(keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        optimizer,
-        trust_coefficient=0.02,
-        clip=True,
-        epsilon=1e-8,
-        weight_decay=0.0,
-        name=None,
-    ):
+        optimizer: keras.optimizers.Optimizer,
+        trust_coefficient: float = 0.02,
+        clip: bool = True,
+        epsilon: float = 1e-8,
+        weight_decay: float = 0.0,
+        name: str | None = None,
+    ) -> None:
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 "`optimizer` must be a Keras 3 optimizer instance "

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tf_vrgd import _validation, functional
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
+from tf_vrgd._types import LearningRate, Patterns
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
@@ -58,15 +59,15 @@ class LARS(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        learning_rate=0.1,
-        momentum=0.9,
-        nesterov=False,
-        trust_coefficient=0.001,
-        weight_decay_rate=0.0,
-        exclude_from_weight_decay=None,
-        exclude_from_layer_adaptation=None,
+        learning_rate: LearningRate = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        trust_coefficient: float = 0.001,
+        weight_decay_rate: float = 0.0,
+        exclude_from_weight_decay: Patterns = None,
+        exclude_from_layer_adaptation: Patterns = None,
         **kwargs,
-    ):
+    ) -> None:
         _validation.check_learning_rate(learning_rate)
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.momentum = _validation.check_number(

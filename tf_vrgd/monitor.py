@@ -37,7 +37,7 @@ class GSNRMonitor(keras.callbacks.Callback):
         per_variable: also log each variable's statistics.
     """
 
-    def __init__(self, update_freq="epoch", per_variable=True):
+    def __init__(self, update_freq: str | int = "epoch", per_variable: bool = True) -> None:
         super().__init__()
         if update_freq != "epoch" and not (
             isinstance(update_freq, int) and not isinstance(update_freq, bool) and update_freq > 0

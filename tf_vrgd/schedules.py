@@ -87,7 +87,12 @@ class PerUpdate(LearningRateSchedule):
     updates too).
     """
 
-    def __init__(self, schedule, accumulation_steps, name="PerUpdate"):
+    def __init__(
+        self,
+        schedule: LearningRateSchedule | float,
+        accumulation_steps: int,
+        name: str = "PerUpdate",
+    ) -> None:
         self.schedule = _schedule_or_float(schedule)
         self.accumulation_steps = int(accumulation_steps)
         if self.accumulation_steps < 1:

@@ -10,6 +10,8 @@ averages, `model_wide` averages rows over all elements of all variables, and
 `vrgd-train`).
 """
 
+from collections.abc import Sequence
+
 import numpy as np
 
 # Column -> (meaning, key in Keras logs). The order is the order of the sums
@@ -36,7 +38,7 @@ LOG_KEYS = {name: key for name, (_, key) in COLUMNS.items()}
 ROW_WIDTH = len(NAMES) + 1
 
 
-def summarize(row):
+def summarize(row: Sequence[float]) -> dict[str, float]:
     """A row of running sums -> ``{name: average over updates, "updates": n}``;
     the averages are NaN when no update has run."""
     row = np.asarray(row, np.float64)
@@ -45,7 +47,7 @@ def summarize(row):
     return {**{name: float(a) for name, a in zip(NAMES, averages)}, "updates": int(updates)}
 
 
-def model_wide(sums, sizes):
+def model_wide(sums: np.ndarray, sizes: Sequence[int]) -> dict[str, float]:
     """Averages over all elements of all variables: each variable's averages
     weighted by its number of elements (empty variables take no part).
 
@@ -65,7 +67,9 @@ def model_wide(sums, sizes):
     return {name: float(value) for name, value in zip(NAMES, overall)}
 
 
-def log_entries(sums, paths, sizes, per_variable=True):
+def log_entries(
+    sums: np.ndarray, paths: Sequence[str], sizes: Sequence[int], per_variable: bool = True
+) -> dict[str, float]:
     """Keras log entries from ``[variables, ROW_WIDTH]`` running sums: the
     model-wide `LOG_KEYS`, and with `per_variable`, ``<key>/<path>`` for
     each variable."""

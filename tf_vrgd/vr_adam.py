@@ -5,6 +5,7 @@ import keras
 
 from tf_vrgd import _gsnr, _validation
 from tf_vrgd._gsnr import GSNRMixin
+from tf_vrgd._types import LearningRate
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
@@ -29,17 +30,17 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
 
     def __init__(
         self,
-        learning_rate=0.001,
-        beta_1=0.9,
-        beta_2=0.999,
-        epsilon=1e-7,
-        gamma=0.1,
-        beta_3=0.9,
-        gsnr_epsilon=1e-6,
-        jit_update=True,
-        track_gsnr_statistics=False,
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        gamma: float = 0.1,
+        beta_3: float = 0.9,
+        gsnr_epsilon: float = 1e-6,
+        jit_update: bool = True,
+        track_gsnr_statistics: bool = False,
         **kwargs,
-    ):
+    ) -> None:
         _validation.check_learning_rate(learning_rate)
         for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
             _validation.check_number(name, value, low=0.0, high=1.0, high_open=True)

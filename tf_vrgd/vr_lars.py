@@ -6,6 +6,7 @@ import keras
 
 from tf_vrgd import _gsnr
 from tf_vrgd._gsnr import GSNRMixin
+from tf_vrgd._types import LearningRate, Patterns
 from tf_vrgd.lars import LARS
 
 
@@ -27,20 +28,20 @@ class VRLARS(GSNRMixin, LARS):
 
     def __init__(
         self,
-        learning_rate=0.1,
-        momentum=0.9,
-        nesterov=False,
-        trust_coefficient=0.001,
-        weight_decay_rate=0.0,
-        exclude_from_weight_decay=None,
-        exclude_from_layer_adaptation=None,
-        gamma=0.1,
-        beta_3=0.0,
-        gsnr_epsilon=1e-6,
-        jit_update=True,
-        track_gsnr_statistics=False,
+        learning_rate: LearningRate = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        trust_coefficient: float = 0.001,
+        weight_decay_rate: float = 0.0,
+        exclude_from_weight_decay: Patterns = None,
+        exclude_from_layer_adaptation: Patterns = None,
+        gamma: float = 0.1,
+        beta_3: float = 0.0,
+        gsnr_epsilon: float = 1e-6,
+        jit_update: bool = True,
+        track_gsnr_statistics: bool = False,
         **kwargs,
-    ):
+    ) -> None:
         super().__init__(
             learning_rate=learning_rate,
             momentum=momentum,

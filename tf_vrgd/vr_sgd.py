@@ -6,6 +6,7 @@ import keras
 
 from tf_vrgd import _gsnr, _validation
 from tf_vrgd._gsnr import GSNRMixin
+from tf_vrgd._types import LearningRate
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
@@ -36,16 +37,16 @@ class VRSGD(GSNRMixin, keras.optimizers.SGD):
 
     def __init__(
         self,
-        learning_rate=0.01,
-        momentum=0.0,
-        nesterov=False,
-        gamma=0.1,
-        beta_3=0.0,
-        gsnr_epsilon=1e-6,
-        jit_update=True,
-        track_gsnr_statistics=False,
+        learning_rate: LearningRate = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        gamma: float = 0.1,
+        beta_3: float = 0.0,
+        gsnr_epsilon: float = 1e-6,
+        jit_update: bool = True,
+        track_gsnr_statistics: bool = False,
         **kwargs,
-    ):
+    ) -> None:
         _validation.check_learning_rate(learning_rate)
         _validation.check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         _validation.check_bool("nesterov", nesterov)
