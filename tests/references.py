@@ -5,6 +5,9 @@ comparison goes through `assert_close`, which records the worst relative
 error per reference for the summary printed at the end of the test run.
 """
 
+from collections.abc import Callable
+import dataclasses
+
 import numpy as np
 
 WORST_RELATIVE_ERRORS = {}
@@ -148,16 +151,108 @@ def lamb_step(
     return w - lr * ratio * u, m, v
 
 
+# --- Rules as data, and the one multi-step driver ----------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A base rule for `run` and `VRReference`.
+
+    `step(i, w, g, slots, t)` applies the rule to variable i (weights w,
+    gradient g, its `slot_count` slots, update t from 1) and returns
+    ``(new_w, new_slots)``.
+    """
+
+    step: Callable
+    slot_count: int
+
+
+def sgd(lr, momentum=0.0, nesterov=False):
+    def step(i, w, g, slots, t):
+        w, m = keras_sgd_step(w, g, slots[0], lr, momentum, nesterov)
+        return w, [m]
+
+    return Rule(step, 1)
+
+
+def adam(lr, **hyper):
+    def step(i, w, g, slots, t):
+        w, m, v = keras_adam_step(w, g, slots[0], slots[1], t, lr, **hyper)
+        return w, [m, v]
+
+    return Rule(step, 2)
+
+
+def lars(lr, decays=None, adapts=None, **hyper):
+    """LARS; `decays[i]` / `adapts[i]` for variable i (default True; adapts
+    default to decays, as the exclusion lists do)."""
+    adapts = adapts or decays
+
+    def step(i, w, g, slots, t):
+        w, v = lars_step(
+            w,
+            g,
+            slots[0],
+            lr,
+            decay=decays[i] if decays else True,
+            adapt=adapts[i] if adapts else True,
+            **hyper,
+        )
+        return w, [v]
+
+    return Rule(step, 1)
+
+
+def lamb(lr, decays=None, adapts=None, **hyper):
+    adapts = adapts or decays
+
+    def step(i, w, g, slots, t):
+        w, m, v = lamb_step(
+            w,
+            g,
+            slots[0],
+            slots[1],
+            t,
+            lr,
+            decay=decays[i] if decays else True,
+            adapt=adapts[i] if adapts else True,
+            **hyper,
+        )
+        return w, [m, v]
+
+    return Rule(step, 2)
+
+
+def larc(rule, lr, **hyper):
+    """`rule` applied to LARC's gradient (at the inner rate `lr`, or at
+    ``lr(t)`` if `lr` is callable)."""
+
+    def step(i, w, g, slots, t):
+        rate = lr(t) if callable(lr) else lr
+        return rule.step(i, w, larc_gradient(w, g, rate, **hyper), slots, t)
+
+    return Rule(step, rule.slot_count)
+
+
+def run(weights, rule, gradients):
+    """Applies `rule` for each step of `gradients` ([steps][variable]
+    arrays); returns the final weights in float64."""
+    weights = [np.asarray(w, np.float64) for w in weights]
+    slots = [[np.zeros_like(w) for _ in range(rule.slot_count)] for w in weights]
+    for t, grads in enumerate(gradients, start=1):
+        for i, g in enumerate(grads):
+            weights[i], slots[i] = rule.step(i, weights[i], g, slots[i], t)
+    return weights
+
+
 class VRReference:
-    """VR optimizer reference: GSNR scaling then a base rule on ghat.
+    """VR optimizer reference: GSNR scaling, then the base `rule` on ghat."""
 
-    `base_step(i, w, ghat, slots, t)` returns (new_w, new_slots)."""
-
-    def __init__(self, weights, base_step, slot_count, gamma, beta_3, epsilon=1e-6):
+    def __init__(self, weights, rule, gamma, beta_3, epsilon=1e-6):
         self.weights = [np.asarray(w, np.float64) for w in weights]
-        self.slots = [[np.zeros_like(w) for _ in range(slot_count)] for w in self.weights]
+        self.slots = [[np.zeros_like(w) for _ in range(rule.slot_count)] for w in self.weights]
         self.p = [np.zeros_like(w) for w in self.weights]
-        self.base_step, self.gamma, self.beta_3, self.epsilon = base_step, gamma, beta_3, epsilon
+        self.rule, self.gamma, self.beta_3, self.epsilon = rule, gamma, beta_3, epsilon
         self.t = 0
 
     def update(self, samples_per_variable):
@@ -168,7 +263,7 @@ class VRReference:
             if self.beta_3 > 0:
                 self.p[i] = self.beta_3 * self.p[i] + (1 - self.beta_3) * r
                 r = self.p[i] / (1 - self.beta_3**self.t)
-            self.weights[i], self.slots[i] = self.base_step(
+            self.weights[i], self.slots[i] = self.rule.step(
                 i, self.weights[i], r * mean, self.slots[i], self.t
             )
         return self.weights

@@ -180,14 +180,10 @@ def test_mid_accumulation_state_restores_under_another_replica_count(strategy, t
     last = helpers.gradient_stream(shapes, 1, seed=38)
     helpers.apply_stream(restored_optimizer, restored.trainable_variables, last, compiled=True)
 
-    def sgd(i, w, g, slots, t):
-        w, m = ref.keras_sgd_step(w, g, slots[0], 0.5, 0.0)
-        return w, [m]
-
     samples = [
         np.stack([first[0][r][i] for r in range(4)] + [last[0][0][i]]).astype(np.float64)
         for i in range(len(shapes))
     ]
-    expected = ref.VRReference(initial, sgd, 1, 0.1, 0.0).update(samples)
+    expected = ref.VRReference(initial, ref.sgd(0.5), 0.1, 0.0).update(samples)
     for got, want in zip(restored.get_weights(), expected):
         ref.assert_close(got, want, f"VRSGD resumed mid-accumulation ({fmt})", rtol=1e-5)

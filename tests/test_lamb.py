@@ -1,7 +1,6 @@
 """LAMB (Model Garden form) against its numpy reference (docs/algorithms.md §4)."""
 
 import keras
-import numpy as np
 import pytest
 
 from tests import helpers
@@ -21,22 +20,7 @@ def _run(optimizer, stream):
 
 
 def _reference(initial, stream, decays, adapts, **hyper):
-    weights = [w.astype(np.float64) for w in initial]
-    slots = [[np.zeros_like(w), np.zeros_like(w)] for w in weights]
-    for t, grads in enumerate(stream, start=1):
-        for i, g in enumerate(grads):
-            weights[i], slots[i][0], slots[i][1] = ref.lamb_step(
-                weights[i],
-                g,
-                slots[i][0],
-                slots[i][1],
-                t,
-                LR,
-                decay=decays[i],
-                adapt=adapts[i],
-                **hyper,
-            )
-    return weights
+    return ref.run(initial, ref.lamb(LR, decays, adapts, **hyper), stream)
 
 
 def _stream():

@@ -22,26 +22,11 @@ def _shapes():
 
 
 def reference_larc_sgd(weights, stream, lr, momentum=0.0, nesterov=False, **larc):
-    weights = [w.astype(np.float64) for w in weights]
-    slots = [np.zeros_like(w) for w in weights]
-    for grads in stream:
-        for i, g in enumerate(grads):
-            g = ref.larc_gradient(weights[i], g, lr, **larc)
-            weights[i], slots[i] = ref.keras_sgd_step(
-                weights[i], g, slots[i], lr, momentum, nesterov
-            )
-    return weights
+    return ref.run(weights, ref.larc(ref.sgd(lr, momentum, nesterov), lr, **larc), stream)
 
 
 def reference_larc_adam(weights, stream, lr, **larc):
-    weights = [w.astype(np.float64) for w in weights]
-    ms = [np.zeros_like(w) for w in weights]
-    vs = [np.zeros_like(w) for w in weights]
-    for t, grads in enumerate(stream, start=1):
-        for i, g in enumerate(grads):
-            g = ref.larc_gradient(weights[i], g, lr, **larc)
-            weights[i], ms[i], vs[i] = ref.keras_adam_step(weights[i], g, ms[i], vs[i], t, lr)
-    return weights
+    return ref.run(weights, ref.larc(ref.adam(lr), lr, **larc), stream)
 
 
 def _run(optimizer, stream, compiled=False):
@@ -98,10 +83,10 @@ def test_larc_uses_the_inner_learning_rate_schedule():
     stream = _stream()
     optimizer = tf_vrgd.LARC(keras.optimizers.SGD(schedule))
     model = helpers.make_model()
-    weights = [w.astype(np.float64) for w in model.get_weights()]
-    for t, grads in enumerate(stream):
-        lr = LR * 0.5**t
-        weights = [w - lr * ref.larc_gradient(w, g, lr) for w, g in zip(weights, grads)]
+    # Update t (from 1) runs at the schedule's step t - 1.
+    rate = lambda t: LR * 0.5 ** (t - 1)
+    rule = ref.Rule(lambda i, w, g, slots, t: (w - rate(t) * g, slots), 0)
+    weights = ref.run(model.get_weights(), ref.larc(rule, rate), stream)
     helpers.apply_stream(optimizer, model.trainable_variables, [[s] for s in stream])
     for g, e in zip(model.get_weights(), weights):
         ref.assert_close(g, e, "LARC(SGD) schedule")
@@ -111,14 +96,9 @@ def test_larc_wraps_lars():
     stream = _stream()
     optimizer = tf_vrgd.LARC(tf_vrgd.LARS(LR, momentum=0.9, trust_coefficient=0.01))
     initial, got = _run(optimizer, stream)
-    weights = [w.astype(np.float64) for w in initial]
-    velocities = [np.zeros_like(w) for w in weights]
-    for grads in stream:
-        for i, g in enumerate(grads):
-            g = ref.larc_gradient(weights[i], g, LR)
-            weights[i], velocities[i] = ref.lars_step(
-                weights[i], g, velocities[i], LR, 0.9, trust_coefficient=0.01
-            )
+    weights = ref.run(
+        initial, ref.larc(ref.lars(LR, momentum=0.9, trust_coefficient=0.01), LR), stream
+    )
     for g, e in zip(got, weights):
         ref.assert_close(g, e, "LARC(LARS)")
 

@@ -16,16 +16,7 @@ SCALES = [1e-2, 2.0, 5e-3, 1.0]
 
 
 def reference_lars(weights, stream, lr, decays=None, adapts=None, **hyper):
-    weights = [w.astype(np.float64) for w in weights]
-    velocities = [np.zeros_like(w) for w in weights]
-    decays = decays or [True] * len(weights)
-    adapts = adapts or [True] * len(weights)
-    for grads in stream:
-        for i, g in enumerate(grads):
-            weights[i], velocities[i] = ref.lars_step(
-                weights[i], g, velocities[i], lr, decay=decays[i], adapt=adapts[i], **hyper
-            )
-    return weights
+    return ref.run(weights, ref.lars(lr, decays, adapts or decays, **hyper), stream)
 
 
 def run_lars(stream, compiled=False, configure=None, **kwargs):

@@ -85,13 +85,8 @@ def test_two_workers_match_the_numpy_reference(worker_results):
     initial = helpers.make_model().get_weights()
     momentum = worker.VR_MOMENTUM["momentum"]
 
-    def sgd_step(i, w, ghat, slots, t):
-        new_w, m = ref.keras_sgd_step(
-            w, ghat, slots[0], worker.VR_MOMENTUM["learning_rate"], momentum
-        )
-        return new_w, [m]
-
-    reference = ref.VRReference(initial, sgd_step, 1, worker.VR_MOMENTUM["gamma"], beta_3=0.0)
+    rule = ref.sgd(worker.VR_MOMENTUM["learning_rate"], momentum)
+    reference = ref.VRReference(initial, rule, worker.VR_MOMENTUM["gamma"], beta_3=0.0)
     for samples in helpers.samples_per_update(stream, 1):
         expected = reference.update(samples)
     # With k = 2, var = (g_1 - g_2)^2 / 4 comes from the float32 difference
@@ -109,14 +104,11 @@ def test_two_workers_with_accumulation_match_four_replicas(strategy, worker_resu
     for got, want in zip(_weights(worker_results[0], "adam"), single_process):
         ref.assert_close(got, want, "VR-Adam, 2 workers x 2 micro-steps vs 4 replicas", rtol=1e-5)
 
-    def adam_step(i, w, ghat, slots, t):
-        new_w, m, v = ref.keras_adam_step(
-            w, ghat, slots[0], slots[1], t, worker.VR_ADAM["learning_rate"]
-        )
-        return new_w, [m, v]
-
     reference = ref.VRReference(
-        helpers.make_model().get_weights(), adam_step, 2, worker.VR_ADAM["gamma"], beta_3=0.9
+        helpers.make_model().get_weights(),
+        ref.adam(worker.VR_ADAM["learning_rate"]),
+        worker.VR_ADAM["gamma"],
+        beta_3=0.9,
     )
     for samples in helpers.samples_per_update(stream, 1):
         expected = reference.update(samples)

@@ -2,6 +2,8 @@
 and VR-LARS (docs/algorithms.md §1-4), on distinct data per replica, with
 gradient accumulation, and the properties of §2."""
 
+from collections.abc import Callable
+import dataclasses
 import functools
 
 import keras
@@ -35,102 +37,58 @@ def update_path(request, monkeypatch):
     return path
 
 
-def _base_step(name, lr, **hyper):
-    """numpy base rule on ghat for each class; returns (step_fn, slot_count)."""
-    if name == "VRSGD":
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A VR optimizer under test and its numpy reference: `make(**extra)`
+    builds the optimizer; `rule` is the base rule applied to ghat."""
 
-        def step(i, w, g, slots, t):
-            w, m = ref.keras_sgd_step(
-                w, g, slots[0], lr, hyper.get("momentum", 0.0), hyper.get("nesterov", False)
-            )
-            return w, [m]
-
-        return step, 1
-    if name == "VRAdam":
-
-        def step(i, w, g, slots, t):
-            w, m, v = ref.keras_adam_step(w, g, slots[0], slots[1], t, lr)
-            return w, [m, v]
-
-        return step, 2
-    if name == "VRLARS":
-        decays = hyper.get("decays", [True] * 4)
-
-        def step(i, w, g, slots, t):
-            w, v = ref.lars_step(
-                w,
-                g,
-                slots[0],
-                lr,
-                hyper.get("momentum", 0.9),
-                hyper.get("nesterov", False),
-                hyper.get("trust_coefficient", 0.001),
-                hyper.get("weight_decay_rate", 0.0),
-                decay=decays[i],
-                adapt=decays[i],
-            )
-            return w, [v]
-
-        return step, 1
-    if name == "VRLAMB":
-        decays = hyper.get("decays", [True] * 4)
-
-        def step(i, w, g, slots, t):
-            w, m, v = ref.lamb_step(
-                w,
-                g,
-                slots[0],
-                slots[1],
-                t,
-                lr,
-                weight_decay_rate=hyper.get("weight_decay_rate", 0.0),
-                decay=decays[i],
-                adapt=decays[i],
-            )
-            return w, [m, v]
-
-        return step, 2
-    raise ValueError(name)
+    make: Callable
+    rule: ref.Rule
+    beta_3: float
+    gamma: float = 0.1
 
 
+EXCLUDE_BIASES = [True, False, True, False]  # kernels decay and adapt, biases not
 CASES = {
-    "VR-SGD": ("VRSGD", 0.5, dict(), dict()),
-    "VR-Momentum": ("VRSGD", 0.5, dict(momentum=0.9), dict(momentum=0.9)),
-    "VR-Momentum nesterov beta_3": (
-        "VRSGD",
-        0.5,
-        dict(momentum=0.9, nesterov=True, beta_3=0.5),
-        dict(momentum=0.9, nesterov=True),
+    "VR-SGD": Case(lambda **k: tf_vrgd.VRSGD(0.5, **k), ref.sgd(0.5), beta_3=0.0),
+    "VR-Momentum": Case(lambda **k: tf_vrgd.VRSGD(0.5, momentum=0.9, **k), ref.sgd(0.5, 0.9), 0.0),
+    "VR-Momentum nesterov beta_3": Case(
+        lambda **k: tf_vrgd.VRSGD(0.5, momentum=0.9, nesterov=True, beta_3=0.5, **k),
+        ref.sgd(0.5, 0.9, nesterov=True),
+        beta_3=0.5,
     ),
-    "VR-Adam": ("VRAdam", 0.05, dict(), dict()),
-    "VR-LARS": (
-        "VRLARS",
-        2.0,
-        dict(trust_coefficient=0.01, weight_decay_rate=0.01, exclude_from_weight_decay=["bias"]),
-        dict(trust_coefficient=0.01, weight_decay_rate=0.01, decays=[True, False, True, False]),
+    "VR-Adam": Case(lambda **k: tf_vrgd.VRAdam(0.05, **k), ref.adam(0.05), beta_3=0.9),
+    "VR-LARS": Case(
+        lambda **k: tf_vrgd.VRLARS(
+            2.0,
+            trust_coefficient=0.01,
+            weight_decay_rate=0.01,
+            exclude_from_weight_decay=["bias"],
+            **k,
+        ),
+        ref.lars(2.0, decays=EXCLUDE_BIASES, trust_coefficient=0.01, weight_decay_rate=0.01),
+        beta_3=0.0,
     ),
-    "VR-LAMB": (
-        "VRLAMB",
-        0.05,
-        dict(weight_decay_rate=0.01, exclude_from_weight_decay=["bias"]),
-        dict(weight_decay_rate=0.01, decays=[True, False, True, False]),
+    "VR-LAMB": Case(
+        lambda **k: tf_vrgd.VRLAMB(
+            0.05, weight_decay_rate=0.01, exclude_from_weight_decay=["bias"], **k
+        ),
+        ref.lamb(0.05, decays=EXCLUDE_BIASES, weight_decay_rate=0.01),
+        beta_3=0.9,
     ),
 }
 
 
-def _reference(case, initial, samples_per_update, gamma=0.1):
-    class_name, lr, kwargs, hyper = CASES[case]
-    beta_3 = kwargs.get("beta_3", getattr(tf_vrgd, class_name)().beta_3)
-    step, slots = _base_step(class_name, lr, **hyper)
-    reference = ref.VRReference(initial, step, slots, kwargs.get("gamma", gamma), beta_3)
+def _reference(case, initial, samples_per_update):
+    case = CASES[case]
+    reference = ref.VRReference(initial, case.rule, case.gamma, case.beta_3)
     for samples in samples_per_update:
         weights = reference.update(samples)
     return weights
 
 
 def _make(case, **extra):
-    class_name, lr, kwargs, _ = CASES[case]
-    return getattr(tf_vrgd, class_name)(lr, **kwargs, **extra)
+    return CASES[case].make(**extra)
 
 
 def _shapes():
@@ -201,12 +159,8 @@ def test_gamma_one_equals_base_optimizer(strategy, name, path):
     for g, e in zip(vr, base):
         ref.assert_close(g, e, f"{name} gamma=1 vs base", rtol=rtol)
     if name == "VRLAMB":
-        initial = helpers.make_model().get_weights()
-        plain = [w.astype(np.float64) for w in initial]
-        slots = [[np.zeros_like(w), np.zeros_like(w)] for w in plain]
-        for t, samples in enumerate(helpers.samples_per_update(stream, 1), start=1):
-            for i, sample in enumerate(samples):
-                plain[i], *slots[i] = ref.lamb_step(plain[i], sample.mean(0), *slots[i], t, 0.05)
+        means = [[s.mean(0) for s in samples] for samples in helpers.samples_per_update(stream, 1)]
+        plain = ref.run(helpers.make_model().get_weights(), ref.lamb(0.05), means)
         for g, e in zip(vr, plain):
             ref.assert_close(g, e, "VRLAMB gamma=1 vs numpy LAMB", rtol=1e-5)
 
@@ -366,12 +320,7 @@ def test_larc_wraps_a_vr_optimizer(strategy):
     )
 
     # LARC sees the gradient the base rule sees: ghat.
-    def step(i, w, g, slots, t):
-        g = ref.larc_gradient(w, g, 0.5)
-        w, m = ref.keras_sgd_step(w, g, slots[0], 0.5, 0.9)
-        return w, [m]
-
-    reference = ref.VRReference(initial, step, 1, 0.1, 0.0)
+    reference = ref.VRReference(initial, ref.larc(ref.sgd(0.5, 0.9), 0.5), 0.1, 0.0)
     for samples in helpers.samples_per_update(stream, 1):
         expected = reference.update(samples)
     for g, e in zip(got, expected):

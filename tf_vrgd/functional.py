@@ -225,13 +225,6 @@ def normalized_clipped_gsnr(gsnr: tf.Tensor, gamma: Scalar) -> tf.Tensor:
     return tf.clip_by_value(tf.math.divide_no_nan(gsnr, layer_mean), floor, 1.0)
 
 
-def gsnr_scale(
-    gradient_mean: tf.Tensor, second_moment: tf.Tensor, gamma: Scalar, epsilon: Scalar
-) -> tf.Tensor:
-    """The per-element factor r of docs/algorithms.md §2, in [gamma, 1]."""
-    return normalized_clipped_gsnr(raw_gsnr(gradient_mean, second_moment, epsilon), gamma)
-
-
 def segment_normalized_clipped_gsnr(
     gsnr: tf.Tensor, segment_ids: tf.Tensor, sizes: Sequence[int], gamma: Scalar
 ) -> tuple[tf.Tensor, tf.Tensor]:
