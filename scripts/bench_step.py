@@ -93,7 +93,7 @@ def main(argv=None):
 
     from tf_vrgd.experiments import benchmark
 
-    benchmark.run(args, gpus)
+    benchmark.run(benchmark.Settings(**vars(args)), gpus)
 
 
 if __name__ == "__main__":

@@ -68,29 +68,18 @@ def test_bench_step_measures_every_kind_with_accumulation():
 
     # The one-device set-up only: the mirrored one makes its own strategy
     # over the devices the test session's strategy uses.
-    args = _script("bench_step").parse_args(
-        [
-            "--setups",
-            "accumulation",
-            "--models",
-            "mlp",
-            "--mlp-parameters",
-            "20000",
-            "--pairs",
-            "Adam",
-            "LARC",
-            "--steps",
-            "1",
-            "--repeats",
-            "1",
-            "--first-step-rounds",
-            "1",
-            "--batch",
-            "8",
-        ]
+    settings = benchmark.Settings(
+        setups=["accumulation"],
+        models=["mlp"],
+        mlp_parameters=20_000,
+        pairs=["Adam", "LARC"],
+        steps=1,
+        repeats=1,
+        first_step_rounds=1,
+        batch=8,
     )
     lines = []
-    rows = benchmark.measure(args, gpus=[], report=lines.append)
+    rows = benchmark.measure(settings, report=lines.append)
     assert [(row["pair"], row["kind"]) for row in rows] == [
         (pair, kind) for pair in ("Adam", "LARC") for kind in ("first step", "update", "train step")
     ]

@@ -23,6 +23,8 @@ With gradient accumulation, each micro-step adds to the running sums:
     VR               reads g and both sums; writes both sums         20 B
 """
 
+from collections.abc import Sequence
+import dataclasses
 import functools
 import gc
 import statistics
@@ -277,11 +279,32 @@ def _update_bytes(pair_name, optimizer, accumulation_steps=0):
     return base, vr
 
 
+@dataclasses.dataclass
+class Settings:
+    """What `measure` runs: the matrix of set-ups x models x pairs x kinds,
+    and how long it measures each (`scripts/bench_step.py` documents each
+    field as a command-line flag)."""
+
+    setups: Sequence[str] = ("mirrored", "accumulation")
+    models: Sequence[str] = ("mlp", "cnn", "resnet50", "encoder")
+    pairs: Sequence[str] | None = None
+    kinds: Sequence[str] = ("first step", "update", "train step")
+    replicas: int = 4
+    accumulation: int = 4
+    batch: int = 256
+    batch_per_replica: int = 8
+    steps: int = 5
+    repeats: int = 7
+    first_step_rounds: int = 3
+    mlp_parameters: int = 10_000_000
+    statistics: bool = False
+
+
 MODEL_FACTORIES = {
-    "mlp": lambda args: mlp(args.mlp_parameters),
-    "cnn": lambda args: cnn(),
-    "resnet50": lambda args: resnet50(),
-    "encoder": lambda args: encoder(),
+    "mlp": lambda settings: mlp(settings.mlp_parameters),
+    "cnn": lambda settings: cnn(),
+    "resnet50": lambda settings: resnet50(),
+    "encoder": lambda settings: encoder(),
 }
 # Models measured at a fixed batch per replica (`--batch-per-replica`) rather
 # than at the global `--batch`.
@@ -332,8 +355,9 @@ def warm_up_runtime(strategy, extra):
     candidate.time("train step", 2 * (extra.get("gradient_accumulation_steps") or 1))
 
 
-def measure(args, gpus, report=print):
-    """The whole `bench_step.py` matrix.
+def measure(settings, gpus=(), report=print):
+    """The whole `bench_step.py` matrix of `settings` (a `Settings`), on the
+    GPUs listed in `gpus` (or logical CPU devices where there are none).
 
     Returns a list of dicts, one per measured line: ``setup``, ``model``,
     ``parameters``, ``variables``, ``replicas``, ``pair``, ``kind`` ("first
@@ -345,29 +369,29 @@ def measure(args, gpus, report=print):
     """
     bandwidth = memory_bandwidth()
     report(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
-    chosen = {k: v for k, v in pairs().items() if not args.pairs or k in args.pairs}
+    chosen = {k: v for k, v in pairs().items() if not settings.pairs or k in settings.pairs}
     rng = np.random.default_rng(0)
     rows = []
-    for setup in args.setups:
+    for setup in settings.setups:
         if setup == "mirrored":
             devices = (
                 [f"/gpu:{i}" for i in range(len(gpus))]
                 if gpus
-                else [f"/cpu:{i}" for i in range(args.replicas)]
+                else [f"/cpu:{i}" for i in range(settings.replicas)]
             )
             strategy = tf.distribute.MirroredStrategy(devices)
             extra = {}
         else:
             strategy = tf.distribute.get_strategy()
-            extra = {"gradient_accumulation_steps": args.accumulation}
+            extra = {"gradient_accumulation_steps": settings.accumulation}
         copies = strategy.num_replicas_in_sync
         # With accumulation a call is a micro-step; report per update.
-        calls_per_update = args.accumulation if extra else 1
+        calls_per_update = settings.accumulation if extra else 1
         warm_up_runtime(strategy, extra)
-        for model_name in args.models:
-            make_model = functools.partial(MODEL_FACTORIES[model_name], args)
+        for model_name in settings.models:
+            make_model = functools.partial(MODEL_FACTORIES[model_name], settings)
             global_batch = (
-                args.batch_per_replica * copies if model_name in REAL_MODELS else args.batch
+                settings.batch_per_replica * copies if model_name in REAL_MODELS else settings.batch
             )
             batch = make_batch(model_name, global_batch, rng)
             if model_name == "mlp":
@@ -378,9 +402,9 @@ def measure(args, gpus, report=print):
             report(
                 f"\n== {model_name} ({params / 1e6:.2f} M parameters, {variables} variables), "
                 f"{setup}: {copies} replica(s), batch {global_batch}"
-                f"{f', A = {args.accumulation} micro-steps, times per update' if extra else ''}"
+                f"{f', A = {settings.accumulation} micro-steps, times per update' if extra else ''}"
             )
-            if not extra and "update" in args.kinds:
+            if not extra and "update" in settings.kinds:
                 reduce = collective_times(strategy, params)
                 report(
                     f"all-reduce alone: sum {reduce['sum'] * 1e3:.2f} ms, sum and squares "
@@ -394,7 +418,7 @@ def measure(args, gpus, report=print):
                 }
                 if pair_name != "LARC":
                     factories["vr no-xla"] = functools.partial(make_vr, jit_update=False, **extra)
-                    if args.statistics:
+                    if settings.statistics:
                         factories["vr statistics"] = functools.partial(
                             make_vr, track_gsnr_statistics=True, **extra
                         )
@@ -406,18 +430,18 @@ def measure(args, gpus, report=print):
                     replicas=copies,
                     pair=pair_name,
                 )
-                if "first step" in args.kinds:
+                if "first step" in settings.kinds:
                     seconds = first_step_times(
                         factories,
                         make_model,
                         strategy,
                         batch,
                         calls_per_update,
-                        args.first_step_rounds,
+                        settings.first_step_rounds,
                     )
                     rows.append({**row, "kind": "first step", "seconds": seconds})
                     report(rows[-1])
-                steady = [kind for kind in args.kinds if kind != "first step"]
+                steady = [kind for kind in settings.kinds if kind != "first step"]
                 if not steady:
                     continue
                 candidates = [
@@ -428,15 +452,17 @@ def measure(args, gpus, report=print):
                     seconds = compare(
                         candidates,
                         kind,
-                        args.steps * calls_per_update,
-                        args.repeats,
+                        settings.steps * calls_per_update,
+                        settings.repeats,
                         warmup=2 * calls_per_update + 1,
                     )
                     seconds = {k: v * calls_per_update for k, v in seconds.items()}
                     rows.append({**row, "kind": kind, "seconds": seconds})
                     if kind == "update":
                         base_bytes, vr_bytes = _update_bytes(
-                            pair_name, candidates[1].optimizer, args.accumulation if extra else 0
+                            pair_name,
+                            candidates[1].optimizer,
+                            settings.accumulation if extra else 0,
                         )
                         rows[-1]["traffic"] = {
                             "base": copies * base_bytes * params / seconds["base"] / bandwidth,
@@ -474,6 +500,6 @@ def format_row(row):
     return line
 
 
-def run(args, gpus):
+def run(settings, gpus=()):
     """`measure`, printing each line as it is measured."""
-    return measure(args, gpus, report=lambda row: print(format_row(row), flush=True))
+    return measure(settings, gpus, report=lambda row: print(format_row(row), flush=True))
