@@ -350,7 +350,7 @@ class GSNRMixin:
         """
         if indices in self._variable_updates:
             return self._variable_updates[indices]
-        sizes = [self._trainable_variables[i].shape.num_elements() for i in indices]
+        sizes = [_size(self._trainable_variables[i]) for i in indices]
         fused = [j for j, size in enumerate(sizes) if size > PACKED_MAX_ELEMENTS]
         packed = [j for j, size in enumerate(sizes) if size <= PACKED_MAX_ELEMENTS]
         fused_updates = [self._variable_update(indices[j]) for j in fused]
@@ -419,7 +419,7 @@ class GSNRMixin:
         ]
         momentum_slots = [self._gsnr_momentums[i] for i in indices]
         statistics_slots = [self._gsnr_monitor.value[i] for i in indices]
-        sizes = [v.shape.num_elements() for v in variables]
+        sizes = [_size(v) for v in variables]
         segment_ids = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
 
         def flatten(tensors):
@@ -591,6 +591,11 @@ def variable_path(variable):
     without its ":0")."""
     path = getattr(variable, "path", None)
     return path if path is not None else variable.name.split(":")[0]
+
+
+def _size(variable):
+    """A variable's number of elements (its shape is fully defined)."""
+    return int(np.prod(variable.shape, dtype=np.int64))
 
 
 def _tf_variable(variable):
