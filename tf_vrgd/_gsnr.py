@@ -364,25 +364,10 @@ class GSNRMixin:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
         packed_update = self._packed_update([indices[j] for j in packed])
 
-        def device_update(sums, squares, samples, learning_rate, step, replicas):
-            if fused:
-                fused_update(
-                    [sums[j] for j in fused],
-                    [squares[j] for j in fused],
-                    samples,
-                    learning_rate,
-                    step,
-                    replicas,
-                )
-            if packed:
-                packed_update(
-                    [sums[j] for j in packed],
-                    [squares[j] for j in packed],
-                    samples,
-                    learning_rate,
-                    step,
-                    replicas,
-                )
+        def device_update(sums, squares, *scalars):
+            for update, positions in ((fused_update, fused), (packed_update, packed)):
+                if positions:
+                    update([sums[j] for j in positions], [squares[j] for j in positions], *scalars)
 
         # The compiled program, whose traces the tests count.
         device_update.compiled = fused_update if fused and self.jit_update else None
