@@ -173,7 +173,7 @@ class GSNRMixin:
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         strategy = tf.distribute.get_strategy()
-        self._check_sample_count(strategy.num_replicas_in_sync)
+        self.check_sample_count(strategy.num_replicas_in_sync)
         replica_context = tf.distribute.get_replica_context()
         if replica_context is None:
             raise ValueError(
@@ -270,9 +270,6 @@ class GSNRMixin:
         """Raises ValueError, saying how to fix it, unless `replicas` x
         `gradient_accumulation_steps` gives k >= 2 gradient samples per
         update (what the first update checks)."""
-        self._check_sample_count(replicas)
-
-    def _check_sample_count(self, replicas):
         steps = self.gradient_accumulation_steps or 1
         if replicas * steps < 2:
             raise ValueError(
@@ -350,7 +347,7 @@ class GSNRMixin:
         """
         if indices in self._variable_updates:
             return self._variable_updates[indices]
-        sizes = [_size(self._trainable_variables[i]) for i in indices]
+        sizes = [variable_size(self._trainable_variables[i]) for i in indices]
         fused = [j for j, size in enumerate(sizes) if size > PACKED_MAX_ELEMENTS]
         packed = [j for j, size in enumerate(sizes) if size <= PACKED_MAX_ELEMENTS]
         fused_updates = [self._variable_update(indices[j]) for j in fused]
@@ -404,7 +401,7 @@ class GSNRMixin:
         ]
         momentum_slots = [self._gsnr_momentums[i] for i in indices]
         statistics_slots = [self._gsnr_monitor.value[i] for i in indices]
-        sizes = [_size(v) for v in variables]
+        sizes = [variable_size(v) for v in variables]
         segment_ids = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
 
         def flatten(tensors):
@@ -422,11 +419,11 @@ class GSNRMixin:
             )
             applied = scale
             if momentum_slots[0] is not None:
-                beta_3 = hyper["beta_3"]
-                momentum = beta_3 * flatten(momentum_slots) + (1.0 - beta_3) * scale
+                momentum, applied = functional.corrected_gsnr_momentum(
+                    flatten(momentum_slots), scale, hyper["beta_3"], hyper["correction"]
+                )
                 for slot, value in zip(momentum_slots, tf.split(momentum, sizes)):
                     slot.assign(tf.reshape(value, slot.shape))
-                applied = momentum / hyper["correction"]
             if statistics_slots[0] is not None:
                 rows = functional.segment_gsnr_statistics(
                     layer_means, scale, applied, segments, sizes, self.gamma
@@ -435,14 +432,9 @@ class GSNRMixin:
                     slot.assign_add(tf.concat([row, [1.0]], 0))
             scaled_gradients = tf.split(applied * gradient_mean, sizes)
             for variable, decay, gradient in zip(variables, decays, scaled_gradients):
-                if decay:  # Keras' decoupled weight decay, applied as Keras does.
-                    variable.assign_sub(
-                        variable
-                        * tf.cast(self.weight_decay, variable.dtype)
-                        * tf.cast(learning_rate, variable.dtype)
-                    )
-                gradient = tf.cast(tf.reshape(gradient, variable.shape), variable.dtype)
-                self.update_step(gradient, variable, learning_rate)
+                self._apply_base_rule(
+                    variable, decay, tf.reshape(gradient, variable.shape), learning_rate
+                )
 
         return packed_update
 
@@ -463,27 +455,30 @@ class GSNRMixin:
             scale = functional.normalized_clipped_gsnr(gsnr, hyper["gamma"])
             applied = scale
             if gsnr_momentum_slot is not None:
-                # functional.gsnr_momentum, with its correction shared.
-                beta_3 = hyper["beta_3"]
-                momentum = beta_3 * gsnr_momentum_slot + (1.0 - beta_3) * scale
+                momentum, applied = functional.corrected_gsnr_momentum(
+                    gsnr_momentum_slot, scale, hyper["beta_3"], hyper["correction"]
+                )
                 gsnr_momentum_slot.assign(momentum)
-                applied = momentum / hyper["correction"]
             if statistics_slot is not None:
                 # Running sums of tf_vrgd.statistics' columns and the update
                 # count. Off by default: XLA on CPU runs these reductions
                 # slowly (`scripts/bench_step.py --statistics`).
                 row = functional.gsnr_statistics(gsnr, scale, applied, self.gamma)
                 statistics_slot.assign_add(tf.concat([row, [1.0]], 0))
-            scaled_gradient = applied * gradient_mean
-            if decays:  # Keras' decoupled weight decay, applied as Keras does.
-                variable.assign_sub(
-                    variable
-                    * tf.cast(self.weight_decay, variable.dtype)
-                    * tf.cast(learning_rate, variable.dtype)
-                )
-            self.update_step(tf.cast(scaled_gradient, variable.dtype), variable, learning_rate)
+            self._apply_base_rule(variable, decays, applied * gradient_mean, learning_rate)
 
         return vr_update
+
+    def _apply_base_rule(self, variable, decays, scaled_gradient, learning_rate):
+        """Keras' decoupled weight decay (if `decays`, applied as Keras does),
+        then the base rule's `update_step` on the scaled gradient."""
+        if decays:
+            variable.assign_sub(
+                variable
+                * tf.cast(self.weight_decay, variable.dtype)
+                * tf.cast(learning_rate, variable.dtype)
+            )
+        self.update_step(tf.cast(scaled_gradient, variable.dtype), variable, learning_rate)
 
     # -- diagnostics ------------------------------------------------------------
 
@@ -578,7 +573,7 @@ def variable_path(variable):
     return path if path is not None else variable.name.split(":")[0]
 
 
-def _size(variable):
+def variable_size(variable):
     """A variable's number of elements (its shape is fully defined)."""
     return int(np.prod(variable.shape, dtype=np.int64))
 

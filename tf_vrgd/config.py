@@ -222,7 +222,6 @@ def _vr_type(cls, base_fields, translate=None):
         **_constructor_fields(cls),
         "name": None,
         "weight_decay": None,
-        "gradient_accumulation_steps": None,
     }
     return _Type(fields, _build_with(cls, translate))
 
@@ -241,6 +240,9 @@ OPTIMIZER_TYPES = {
 LARC_FIELDS = {**_constructor_fields(LARC, exclude=("optimizer",)), "optimizer": None}
 
 
+_S = keras.optimizers.schedules
+
+
 def _check_stepwise(what, f):
     if len(f["values"]) != len(f["boundaries"]) + 1 or any(
         b >= c for b, c in zip(f["boundaries"], f["boundaries"][1:])
@@ -249,8 +251,7 @@ def _check_stepwise(what, f):
             f"{what} needs increasing `boundaries` and one more value than "
             f"boundaries. Received: boundaries={f['boundaries']}, values={f['values']}"
         )
-    S = keras.optimizers.schedules
-    return S.PiecewiseConstantDecay(list(f["boundaries"]), list(f["values"]))
+    return _S.PiecewiseConstantDecay(list(f["boundaries"]), list(f["values"]))
 
 
 def _check_linear_warmup(what, schedule, w):
@@ -270,7 +271,6 @@ class _ScheduleType:
     build: callable
 
 
-_S = keras.optimizers.schedules
 # Model Garden's LR_CLS: every type also takes `offset` (schedule(step - offset)).
 LEARNING_RATE_TYPES = {
     "constant": _ScheduleType(
@@ -445,9 +445,9 @@ def _string(name, value):
     return value
 
 
-_RATE = _number(0.0)
-_UNIT_INTERVAL = _number(0.0, 1.0, high_open=True)
 _NON_NEGATIVE = _number(0.0)
+_RATE = _NON_NEGATIVE
+_UNIT_INTERVAL = _number(0.0, 1.0, high_open=True)
 _POSITIVE = _number(0.0, low_open=True)
 # One check per field name, whichever block holds it: the same rule as the
 # constructors' (tf_vrgd._validation), applied when the block is read, so

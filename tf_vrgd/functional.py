@@ -306,8 +306,20 @@ def gsnr_momentum(
     Returns:
         ``(p_t, phat)``.
     """
+    return corrected_gsnr_momentum(previous, gsnr, beta_3, gsnr_momentum_correction(beta_3, step))
+
+
+def corrected_gsnr_momentum(
+    previous: TensorLike, gsnr: tf.Tensor, beta_3: Scalar, correction: Scalar
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """`gsnr_momentum` with its bias correction ``1 - beta_3^t`` given, so
+    that one scalar serves every variable of an update.
+
+    Returns:
+        ``(p_t, p_t / correction)``.
+    """
     new = beta_3 * previous + (1.0 - beta_3) * gsnr
-    return new, new / gsnr_momentum_correction(beta_3, step)
+    return new, new / correction
 
 
 def gsnr_momentum_correction(beta_3: float, step: Scalar) -> tf.Tensor:

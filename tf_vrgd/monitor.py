@@ -3,7 +3,6 @@ statistics into the training logs (so into `History`, the progress bar and
 Keras' own `TensorBoard` callback)."""
 
 import keras
-import numpy as np
 
 from tf_vrgd import _gsnr, statistics
 
@@ -101,7 +100,7 @@ class GSNRMonitor(keras.callbacks.Callback):
         return statistics.log_entries(
             sums,
             [_gsnr.variable_path(v) for v in variables],
-            [int(np.prod(v.shape)) for v in variables],
+            [_gsnr.variable_size(v) for v in variables],
             self.per_variable,
         )
 

@@ -394,8 +394,6 @@ def measure(settings, gpus=(), report=print):
                 settings.batch_per_replica * copies if model_name in REAL_MODELS else settings.batch
             )
             batch = make_batch(model_name, global_batch, rng)
-            if model_name == "mlp":
-                batch = (batch[0].reshape(global_batch, -1), batch[1])
             model = make_model()
             params, variables = parameter_count(model), len(model.trainable_variables)
             del model

@@ -26,6 +26,8 @@ IDX_FILES = (
 )
 EXPECTED_EXAMPLES = {"train": 60000, "test": 10000}
 NUM_CLASSES = 10
+# Where the builder records the checksums of the local files, in the cache.
+CHECKSUMS_FILE = "fashion_mnist_local_checksums.tsv"
 
 
 def default_cache_dir():
@@ -85,7 +87,7 @@ def _builder_class():
 
         @classmethod
         def _checksums_file(cls, cache_dir):
-            path = os.path.join(cache_dir, "fashion_mnist_local_checksums.tsv")
+            path = os.path.join(cache_dir, CHECKSUMS_FILE)
             os.makedirs(cache_dir, exist_ok=True)
             open(path, "a").close()
             return path
@@ -135,9 +137,7 @@ def discard(builder):
     """Removes a prepared (or partly prepared) dataset and its recorded
     checksums, so that the next run prepares it anew."""
     shutil.rmtree(builder.data_dir, ignore_errors=True)
-    checksums = os.path.join(
-        os.path.dirname(os.path.dirname(builder.data_dir)), "fashion_mnist_local_checksums.tsv"
-    )
+    checksums = os.path.join(os.path.dirname(os.path.dirname(builder.data_dir)), CHECKSUMS_FILE)
     if os.path.exists(checksums):
         os.remove(checksums)
 
