@@ -1,0 +1,345 @@
+"""What the VR family's gains are made of: the large-batch study of
+docs/RESULTS.md ("What the VR gains are made of").
+
+    python scripts/study.py --output runs/study            # all parts, resumable
+    python scripts/study.py --output runs/study --report   # the tables only
+
+On Fashion-MNIST (the CNN of configs/fashion_mnist at the width given), for
+the Momentum and Adam pairs at global batches 4096 and 8192, every run the
+same number of epochs (default 30) with the config's schedule (warm-up,
+cosine decay) stretched to it, in four parts:
+
+1. `grid`: each optimizer at rate multipliers 0.125 to 4 of the config's
+   square-root-scaled rate, seed 0.
+2. `seeds`: each optimizer's best rate of part 1 again with seed 1.
+3. `effective`: each base at its twin's effective rate, the twin's best
+   rate x the twin's mean applied GSNR scale over its run (the
+   `gsnr_scale` statistic), seeds 0 and 1: does the twin beat its base run
+   at the rate the twin actually applied?
+4. `samples`: each twin at its best rate with k = 4, 8, 16, 32 gradient
+   samples per update at the same global batch (replicas x accumulation;
+   schedules count updates, so every k takes the same number of updates).
+
+Parts 1 to 3 use k = `--replicas` x `--accumulation` (default 4 x 2 = 8, the
+paper's 8 GPUs) for the twins; the bases take the same global batch in one
+step per update, which is the same update (k means nothing to them).
+Results go to `results.jsonl`, one line per run as each finishes; a rerun
+skips finished runs and resumes an unfinished one from its last epoch
+checkpoint. The learning-rate multiplier of an `effective` run is
+not on the grid: its key records the twin it follows.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics as stats
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAIRS = ("momentum", "adam")
+PARTS = ("grid", "seeds", "effective", "samples")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="runs/study")
+    parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=PAIRS)
+    parser.add_argument("--batches", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument(
+        "--lr-multipliers", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0, 4.0]
+    )
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--width", type=int, default=8, help="CNN width (configs: 16)")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--samples", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument(
+        "--samples-batch", type=int, default=None, help="batch of part 4 (default: the largest)"
+    )
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--report", action="store_true", help="print the tables and exit")
+    return parser.parse_args(argv)
+
+
+def key(run):
+    text = f"{run['optimizer']}_b{run['batch']}_k{run['k']}_lr{run['lr_multiplier']:.6g}"
+    if run.get("follows"):
+        text += f"_at_{run['follows']}"
+    return f"{text}_s{run['seed']}"
+
+
+def load_results(path):
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {key(r): r for r in rows}
+
+
+def experiment_for(run, args):
+    """The `train.Experiment` of one run: the batch's config with the study's
+    width, accumulation and epochs, the rate scaled by the multiplier."""
+    from tf_vrgd import config
+    from tf_vrgd.experiments import train
+
+    name = run["optimizer"]
+    cfg = config.load(
+        os.path.join(ROOT, "configs", "fashion_mnist", f"{name}_b{run['batch']}.yaml")
+    )
+    accumulation = run["k"] // args.replicas
+    if accumulation * args.replicas != run["k"] or run["batch"] % (accumulation * args.replicas):
+        raise ValueError(f"k = {run['k']} does not fit {args.replicas} replicas and the batch.")
+    cfg["task"]["model"]["width"] = args.width
+    if accumulation > 1 and name.startswith("vr_"):
+        # An update takes `accumulation` batches of batch / accumulation: the
+        # config's rate and its step counts (per update) stay as they are.
+        cfg["task"]["train_data"]["global_batch_size"] = run["batch"] // accumulation
+        optimizer = cfg["trainer"]["optimizer_config"]["optimizer"]
+        optimizer.setdefault(name, {})["gradient_accumulation_steps"] = accumulation
+    # A base takes the whole batch in one step: the same update as
+    # accumulating it (the CNN has no batch statistics), and Keras'
+    # accumulation does not run under MirroredStrategy (a collective inside
+    # its tf.cond).
+    experiment = train.Experiment(cfg, epochs=args.epochs, seed=run["seed"], replicas=args.replicas)
+    experiment.block = train.rescale_schedule(experiment.block, 1.0, run["lr_multiplier"])
+    return experiment
+
+
+def run_one(run, args, strategy, arrays):
+    """Trains one run; returns its result row."""
+    import keras
+
+    from tf_vrgd.experiments import train
+
+    keras.backend.clear_session()  # fresh layer names and graph state per run
+    experiment = experiment_for(run, args)
+    run_dir = os.path.join(args.output, "runs", key(run))
+    records = train.train_run(
+        run["optimizer"], experiment.block, experiment, strategy, arrays, run_dir, verbose=0
+    )
+    last = records[-1]
+    row = {
+        **run,
+        "epochs": len(records),
+        "best_test_accuracy": max(r["test_accuracy"] for r in records),
+        "final_test_accuracy": last["test_accuracy"],
+        "final_train_accuracy": last["train_accuracy"],
+        "generalization_gap": last["generalization_gap"],
+        "final_train_loss": last["train_loss"],
+        "final_test_loss": last["test_loss"],
+        "diverged": not all(math.isfinite(r["train_loss"]) for r in records),
+        "seconds": sum(r["seconds"] for r in records),
+    }
+    if "gsnr_scale" in last:
+        # Model-wide (element-weighted) per-epoch means, averaged over epochs.
+        for column in ("gsnr_scale", "gsnr_at_gamma", "gsnr_at_one"):
+            row[f"mean_{column}"] = stats.fmean(r[column] for r in records)
+    return row
+
+
+# --- the parts ----------------------------------------------------------------
+
+
+def grid(results, args):
+    k = args.replicas * args.accumulation
+    return [
+        {"optimizer": name, "batch": batch, "k": k, "lr_multiplier": m, "seed": 0}
+        for batch in args.batches
+        for pair in args.pairs
+        for name in (pair, f"vr_{pair}")
+        for m in args.lr_multipliers
+    ]
+
+
+def best_grid_rows(results, args):
+    """{(optimizer, batch): the seed-0 grid row of highest final test
+    accuracy}."""
+    k = args.replicas * args.accumulation
+    best = {}
+    for row in results.values():
+        if row["seed"] or row["k"] != k or row.get("follows"):
+            continue
+        if row["lr_multiplier"] not in args.lr_multipliers:
+            continue
+        slot = (row["optimizer"], row["batch"])
+        if slot not in best or _score(row) > _score(best[slot]):
+            best[slot] = row
+    return best
+
+
+def _score(row):
+    accuracy = row["final_test_accuracy"]
+    return accuracy if math.isfinite(accuracy) and not row["diverged"] else -1.0
+
+
+def seeds(results, args):
+    return [{**_run_fields(row), "seed": 1} for row in best_grid_rows(results, args).values()]
+
+
+def effective(results, args):
+    runs = []
+    for (name, batch), row in sorted(best_grid_rows(results, args).items()):
+        if not name.startswith("vr_") or "mean_gsnr_scale" not in row:
+            continue
+        multiplier = row["lr_multiplier"] * row["mean_gsnr_scale"]
+        for seed in (0, 1):
+            runs.append(
+                {
+                    "optimizer": name.removeprefix("vr_"),
+                    "batch": batch,
+                    "k": row["k"],
+                    "lr_multiplier": round(multiplier, 6),
+                    "seed": seed,
+                    "follows": key(row),
+                }
+            )
+    return runs
+
+
+def samples(results, args):
+    batch = args.samples_batch or max(args.batches)
+    runs = []
+    for (name, b), row in sorted(best_grid_rows(results, args).items()):
+        if b != batch or not name.startswith("vr_"):
+            continue
+        for k in args.samples:
+            runs.append({**_run_fields(row), "k": k})
+    return runs
+
+
+def _run_fields(row):
+    return {f: row[f] for f in ("optimizer", "batch", "k", "lr_multiplier", "seed")}
+
+
+# --- report ---------------------------------------------------------------------
+
+
+def _pct(value):
+    return f"{value * 100:.2f}" if math.isfinite(value) else "nan"
+
+
+def report(results, args):
+    k = args.replicas * args.accumulation
+    names = [n for pair in args.pairs for n in (pair, f"vr_{pair}")]
+    lines = [
+        f"1. final test accuracy % by rate multiplier (seed 0, k = {k}, "
+        f"{args.epochs} epochs); * marks the best",
+        "",
+    ]
+    best = best_grid_rows(results, args)
+    for batch in args.batches:
+        header = f"batch {batch:<6}" + "".join(f"{m:>9g}" for m in args.lr_multipliers)
+        lines += [header, "-" * len(header)]
+        for name in names:
+            cells = []
+            for m in args.lr_multipliers:
+                row = results.get(
+                    key({"optimizer": name, "batch": batch, "k": k, "lr_multiplier": m, "seed": 0})
+                )
+                mark = "*" if row is not None and best.get((name, batch)) is row else " "
+                cells.append(f"{(_pct(row['final_test_accuracy']) if row else '-') + mark:>9}")
+            lines.append(f"{name:<12}" + "".join(cells))
+        lines.append("")
+
+    lines += [
+        "2. at the best rate, seeds 0 and 1: final test accuracy % (mean, each seed), "
+        "train accuracy %, gap in points; twins: mean applied scale, fraction at gamma",
+        "",
+    ]
+    for (name, batch), row in sorted(best.items(), key=lambda x: (x[0][1], names.index(x[0][0]))):
+        rows = [
+            r
+            for r in results.values()
+            if _run_fields(r) == {**_run_fields(row), "seed": r["seed"]} and not r.get("follows")
+        ]
+        rows.sort(key=lambda r: r["seed"])
+        lines.append(_summary_line(f"{name} b{batch} x{row['lr_multiplier']:g}", rows))
+    lines.append("")
+
+    lines += ["3. each base at its twin's effective rate (twin's rate x mean applied scale)", ""]
+    followers = {}
+    for r in results.values():
+        if r.get("follows"):
+            followers.setdefault((r["follows"], r["lr_multiplier"]), []).append(r)
+    for (twin, multiplier), rows in sorted(followers.items()):
+        rows.sort(key=lambda r: r["seed"])
+        lines.append(_summary_line(f"{rows[0]['optimizer']} x{multiplier:.3g} (at {twin})", rows))
+    lines.append("")
+
+    lines += ["4. twins at their best rate, k samples per update at a fixed global batch", ""]
+    for r in sorted(
+        (r for r in results.values() if r["k"] != k and not r.get("follows")),
+        key=lambda r: (r["optimizer"], r["k"]),
+    ):
+        lines.append(_summary_line(f"{r['optimizer']} b{r['batch']} k={r['k']}", [r]))
+    for (name, batch), row in sorted(best.items()):
+        if name.startswith("vr_") and batch == (args.samples_batch or max(args.batches)):
+            lines.append(_summary_line(f"{name} b{batch} k={k} (part 1)", [row]))
+    return "\n".join(lines)
+
+
+def _summary_line(label, rows):
+    accs = [r["final_test_accuracy"] for r in rows]
+    text = (
+        f"{label:<44} test {_pct(stats.fmean(accs)):>6} "
+        f"({', '.join(_pct(a) for a in accs)}) "
+        f"train {_pct(stats.fmean(r['final_train_accuracy'] for r in rows)):>6} "
+        f"gap {stats.fmean(r['generalization_gap'] for r in rows) * 100:+.2f}"
+    )
+    if "mean_gsnr_scale" in rows[0]:
+        text += (
+            f"  scale {stats.fmean(r['mean_gsnr_scale'] for r in rows):.3f}"
+            f" at-gamma {stats.fmean(r['mean_gsnr_at_gamma'] for r in rows):.2f}"
+        )
+    return text
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.output, exist_ok=True)
+    results_path = os.path.join(args.output, "results.jsonl")
+    results = load_results(results_path)
+    if args.report:
+        print(report(results, args))
+        return 0
+
+    from tf_vrgd.experiments import train
+
+    devices = train.setup_devices(args.replicas)
+    import tensorflow as tf
+
+    from tf_vrgd.experiments import data
+
+    arrays = data.load(args.data_dir, args.cache_dir)
+    strategy = tf.distribute.MirroredStrategy(devices)
+
+    def run_all(runs):
+        for run in runs:
+            if key(run) in results:
+                continue
+            row = run_one(run, args, strategy, arrays)
+            results[key(run)] = row
+            with open(results_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"{key(run):<48} test {row['final_test_accuracy']:.4f} "
+                f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)",
+                flush=True,
+            )
+
+    parts = {"grid": grid, "seeds": seeds, "effective": effective, "samples": samples}
+    for part in PARTS:
+        if part in args.parts:
+            run_all(parts[part](results, args))
+    print(report(results, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
