@@ -6,6 +6,7 @@ LARS, LAMB (Model Garden form) and the LARC wrapper, and the VR family of
 """
 
 from tf_vrgd import functional, schedules, statistics
+from tf_vrgd._accumulation import SGD, Adam
 from tf_vrgd._gsnr import find_vr_optimizer
 from tf_vrgd.adamw import AdamWeightDecay
 from tf_vrgd.lamb import LAMB
@@ -23,9 +24,11 @@ __all__ = [
     "LAMB",
     "LARC",
     "LARS",
+    "SGD",
     "VRLAMB",
     "VRLARS",
     "VRSGD",
+    "Adam",
     "AdamWeightDecay",
     "GSNRMonitor",
     "VRAdam",

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import _validation, functional, statistics
+from tf_vrgd._accumulation import apply_moving_average
 
 # Variables of at most this many elements (64 KiB in float32) are updated
 # together by `GSNRMixin._packed_update` instead of one by one in the XLA
@@ -199,23 +200,9 @@ class GSNRMixin:
             tf.cond(
                 is_update_step, functools.partial(self._reset_accumulators, indices), lambda: None
             )
-        if self.use_ema:
-            # Keras' own order and cadence (once per `apply`, micro-steps
-            # included), so that the averages match the base optimizer's.
-            self._update_model_variables_moving_average(self._trainable_variables)
-            if self.ema_overwrite_frequency:
-                # The overwrite updates every device's copy: cross-replica
-                # context, where (unlike in Keras' replica-context cond) the
-                # cond may hold it under MirroredStrategy.
-                replica_context.merge_call(self._overwrite_with_moving_average)
-
-    def _overwrite_with_moving_average(self, distribution):
-        del distribution  # Keras' method uses the optimizer's own.
-        tf.cond(
-            tf.equal((self.iterations + 1) % self.ema_overwrite_frequency, 0),
-            lambda: self._overwrite_model_variables_with_average_value(self._trainable_variables),
-            lambda: None,
-        )
+        # Keras' EMA order and cadence (once per `apply`, micro-steps
+        # included), so that the averages match the base optimizer's.
+        apply_moving_average(self, replica_context)
 
     def _accumulate(self, grads, indices):
         """Adds this micro-step's gradients and their squares to the

@@ -3,12 +3,13 @@ configs) as a Keras 3 optimizer."""
 
 import keras
 
+from tf_vrgd._accumulation import ReplicaAccumulationMixin
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 from tf_vrgd._types import Patterns
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
-class AdamWeightDecay(LayerwiseExclusionMixin, keras.optimizers.AdamW):
+class AdamWeightDecay(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.AdamW):
     """Keras AdamW with Model Garden's `adamw` weight-decay selection.
 
     Model Garden's `AdamWeightDecay` decays ``w <- w - lr * rate * w``

@@ -38,7 +38,7 @@ import re
 import keras
 import yaml
 
-from tf_vrgd import _validation, schedules
+from tf_vrgd import _accumulation, _validation, schedules
 from tf_vrgd.adamw import AdamWeightDecay
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
@@ -166,13 +166,13 @@ _ADAMW = {
 
 def _build_sgd(lr, f, extra):
     f = _check_sgd_decay(f)
-    return keras.optimizers.SGD(
+    return _accumulation.SGD(
         lr, momentum=f["momentum"], nesterov=f["nesterov"], **_keras_kwargs(f, extra)
     )
 
 
 def _build_adam(lr, f, extra):
-    return keras.optimizers.Adam(
+    return _accumulation.Adam(
         lr,
         beta_1=f["beta_1"],
         beta_2=f["beta_2"],

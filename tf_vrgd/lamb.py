@@ -6,12 +6,13 @@ import keras
 import tensorflow as tf
 
 from tf_vrgd import _validation, functional
+from tf_vrgd._accumulation import ReplicaAccumulationMixin
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 from tf_vrgd._types import LearningRate, Patterns
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
-class LAMB(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
+class LAMB(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.Optimizer):
     """LAMB (You et al. 2020) in its TF Model Garden form.
 
         m <- b1 m + (1-b1) g;   v <- b2 v + (1-b2) g^2

@@ -11,12 +11,13 @@ import keras
 import tensorflow as tf
 
 from tf_vrgd import _validation, functional
+from tf_vrgd._accumulation import ReplicaAccumulationMixin
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 from tf_vrgd._types import LearningRate, Patterns
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
-class LARS(LayerwiseExclusionMixin, keras.optimizers.Optimizer):
+class LARS(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.Optimizer):
     """Layer-wise Adaptive Rate Scaling (You et al. 2017), classic momentum.
 
     Per variable `w` with gradient `g`, learning rate `lr`:

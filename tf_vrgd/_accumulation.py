@@ -1,0 +1,162 @@
+"""Gradient accumulation that runs under `tf.distribute` strategies.
+
+Keras 3's own accumulation (TensorFlow backend) puts the update, with its
+all-reduce, inside a `tf.cond` in replica context; under
+`MirroredStrategy` with 2 or more replicas that is a `merge_call` inside a
+conditional, which TensorFlow refuses. Its accumulators are also mirrored
+variables, which replicas cannot add different values to.
+
+`ReplicaAccumulationMixin` keeps Keras' semantics (the update applies the
+mean of the last A micro-step gradients, averaged over replicas, clipped
+as Keras clips them, with Keras' weight decay, learning rate per update and
+EMA) and moves the collective out of the conditional:
+
+- each replica adds its gradient to its own on-read (`SUM`) accumulator;
+- in cross-replica context (one `merge_call` per micro-step), a `tf.cond`
+  on the update step holds the all-reduce of the accumulated means and the
+  per-device update, which is allowed there;
+- the accumulators are then zeroed on update steps.
+
+A checkpoint stores the cross-replica sum of the accumulators (the summed
+mean gradients of the micro-steps taken, whatever the replica count), so a
+restore under another replica count resumes mid-accumulation correctly.
+The VR optimizers accumulate their own moments (`tf_vrgd._gsnr`) and do not
+use this path.
+"""
+
+import keras
+import tensorflow as tf
+
+
+class ReplicaAccumulationMixin:
+    """Mixed into a Keras optimizer (before it): `gradient_accumulation_steps`
+    works under MirroredStrategy and MultiWorkerMirroredStrategy, as under
+    the default strategy. Without accumulation, the base class runs as is."""
+
+    def build(self, var_list):
+        if self.built:
+            return
+        steps = self.gradient_accumulation_steps
+        # Keras' accumulators would be mirrored; ours replace them.
+        self.gradient_accumulation_steps = None
+        try:
+            super().build(var_list)
+        finally:
+            self.gradient_accumulation_steps = steps
+        self._replica_accumulators = []
+        if not steps:
+            return
+        for variable in var_list:
+            with keras.name_scope(self.name, caller=self):
+                slot = keras.Variable(
+                    initializer="zeros",
+                    shape=variable.shape,
+                    dtype=variable.dtype,
+                    trainable=False,
+                    name=f"{variable.path.replace('/', '_')}_gradient_accumulator",
+                    synchronization="on_read",
+                    aggregation="sum",
+                )
+            self._track_variable(slot)
+            self._replica_accumulators.append(slot)
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # Only when accumulating, and not for the VR optimizers, whose
+        # `_backend_apply_gradients` comes first in the MRO.
+        if not self.gradient_accumulation_steps:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        replica_context = tf.distribute.get_replica_context()
+        if replica_context is None:
+            raise ValueError(
+                f"{type(self).__name__}.apply() with gradient_accumulation_steps must be "
+                "called in a replica context (inside `strategy.run`)."
+            )
+        steps = self.gradient_accumulation_steps
+        slots = [
+            self._replica_accumulators[self._get_variable_index(v)] for v in trainable_variables
+        ]
+        for gradient, slot in zip(grads, slots):
+            self.assign_add(slot, gradient)
+        # Keras' order: the mean over the micro-steps, clipped per replica.
+        means = self._clip_gradients([slot.value.read_value() / steps for slot in slots])
+        replica_context.merge_call(
+            self._accumulated_update, args=(means, list(trainable_variables))
+        )
+        # After the update has read them (reads are ordered before later
+        # writes to the same variable).
+        tf.cond(self._is_update_step(), lambda: self._zero(slots), lambda: None)
+        apply_moving_average(self, replica_context)
+
+    def _is_update_step(self):
+        # `_iterations` counts micro-steps and is incremented after `apply`.
+        return tf.equal((self._iterations + 1) % self.gradient_accumulation_steps, 0)
+
+    @staticmethod
+    def _zero(slots):
+        for slot in slots:
+            slot.assign(tf.zeros(slot.shape, slot.dtype))
+
+    def _accumulated_update(self, distribution, means, variables):
+        tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+
+        def update():
+            reduced = distribution.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM, list(zip(means, tf_variables))
+            )
+            learning_rate = self.learning_rate
+            if self.weight_decay is not None:
+                # Keras' decoupled weight decay, before the update step.
+                for variable, tf_variable in zip(variables, tf_variables):
+                    if self._use_weight_decay(variable):
+                        distribution.extended.update(
+                            tf_variable,
+                            _decay,
+                            args=(self.weight_decay, learning_rate),
+                            group=False,
+                        )
+            self._distributed_tf_update_step(
+                distribution, list(zip(reduced, tf_variables)), learning_rate
+            )
+
+        tf.cond(self._is_update_step(), update, lambda: None)
+
+
+def _decay(variable, weight_decay, learning_rate):
+    variable.assign_sub(
+        variable * tf.cast(weight_decay, variable.dtype) * tf.cast(learning_rate, variable.dtype)
+    )
+
+
+def apply_moving_average(optimizer, replica_context):
+    """Keras' EMA step after an `apply` (once per call, micro-steps
+    included, as Keras does), with the periodic overwrite of the model's
+    variables made in cross-replica context, where its `tf.cond` may hold
+    per-device updates under MirroredStrategy."""
+    if not optimizer.use_ema:
+        return
+    optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
+    if optimizer.ema_overwrite_frequency:
+        replica_context.merge_call(_overwrite_with_moving_average, args=(optimizer,))
+
+
+def _overwrite_with_moving_average(distribution, optimizer):
+    del distribution  # Keras' method uses the optimizer's own.
+    tf.cond(
+        tf.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0),
+        lambda: optimizer._overwrite_model_variables_with_average_value(
+            optimizer._trainable_variables
+        ),
+        lambda: None,
+    )
+
+
+@keras.saving.register_keras_serializable(package="tf_vrgd")
+class SGD(ReplicaAccumulationMixin, keras.optimizers.SGD):
+    """`keras.optimizers.SGD` whose `gradient_accumulation_steps` also runs
+    under MirroredStrategy (the `sgd` type of `tf_vrgd.config`)."""
+
+
+@keras.saving.register_keras_serializable(package="tf_vrgd")
+class Adam(ReplicaAccumulationMixin, keras.optimizers.Adam):
+    """`keras.optimizers.Adam` whose `gradient_accumulation_steps` also runs
+    under MirroredStrategy (the `adam` type of `tf_vrgd.config`)."""
