@@ -115,7 +115,7 @@ def test_mobilebert_lamb_block_and_its_twin(twin):
 def test_resnet_sgd_block_and_its_twin(twin):
     text = _to_twin(RESNET_SGD, "sgd") if twin else RESNET_SGD
     optimizer = config.optimizer_from_config(text)
-    assert type(optimizer) is (tf_vrgd.VRSGD if twin else keras.optimizers.SGD)
+    assert type(optimizer) is (tf_vrgd.VRSGD if twin else tf_vrgd.SGD)
     assert optimizer.momentum == 0.9
     steps = [0, 1000, 3124, 3125, 18749, 18751, 40000, 56000]
     # LinearWarmup from 0 to after(3125) = 0.8, then the piecewise values.

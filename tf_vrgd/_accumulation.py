@@ -76,7 +76,9 @@ class ReplicaAccumulationMixin:
             self._replica_accumulators[self._get_variable_index(v)] for v in trainable_variables
         ]
         for gradient, slot in zip(grads, slots):
-            self.assign_add(slot, gradient)
+            # On-read variables take no scatter: sparse (embedding)
+            # gradients are added dense.
+            slot.assign_add(tf.cast(tf.convert_to_tensor(gradient), slot.dtype))
         # Keras' order: the mean over the micro-steps, clipped per replica.
         means = self._clip_gradients([slot.value.read_value() / steps for slot in slots])
         replica_context.merge_call(
