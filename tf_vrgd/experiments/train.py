@@ -91,6 +91,25 @@ def parse_args(argv=None):
         "--verbose", type=int, default=1, choices=[0, 1, 2], help="Keras progress output"
     )
     parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="DOTTED.KEY=VALUE",
+        help="set a field of the experiment (Model Garden's names, the value read as "
+        "YAML), e.g. task.model.encoder.bert.num_layers=2; repeatable",
+    )
+    parser.add_argument(
+        "--train-steps",
+        type=_positive_int,
+        default=None,
+        help="paper tasks: updates to train; the schedule's steps follow the new total",
+    )
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="paper tasks: random inputs of the task's shapes made on the device, no files",
+    )
+    parser.add_argument(
         "--restart",
         action="store_true",
         help="discard the checkpoints and metrics already in --output and "
@@ -256,14 +275,48 @@ class Experiment:
         }
 
     def runs(self, compare):
-        """[(run name, optimization block)]: the config's, then its twin."""
-        from tf_vrgd.experiments import twins
+        return runs_of(self.block, compare)
 
-        runs = [(self.block["optimizer"]["type"], self.block)]
-        if compare:
-            twin = twins.twin_block(self.block)
-            runs.append((twin["optimizer"]["type"], twin))
-        return runs
+
+def runs_of(block, compare):
+    """[(run name, optimization block)]: the config's, then its twin."""
+    from tf_vrgd.experiments import twins
+
+    runs = [(block["optimizer"]["type"], block)]
+    if compare:
+        twin = twins.twin_block(block)
+        runs.append((twin["optimizer"]["type"], twin))
+    return runs
+
+
+def apply_overrides(cfg, overrides):
+    """`cfg` with each ``DOTTED.KEY=VALUE`` set (VALUE read as YAML); the
+    missing blocks on the way are created."""
+    import yaml
+
+    cfg = copy.deepcopy(cfg)
+    for override in overrides:
+        path, sep, text = override.partition("=")
+        keys = path.strip().split(".")
+        if not sep or not all(keys):
+            raise ValueError(f"--override takes DOTTED.KEY=VALUE. Received: {override!r}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ValueError(f"--override {override!r}: the value is not YAML ({error}).") from None
+        node = cfg
+        for depth, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise ValueError(
+                    f"--override {override!r}: {'.'.join(keys[: depth + 1])} is a value, "
+                    "not a block."
+                )
+            node = child
+        node[keys[-1]] = value
+    return cfg
 
 
 # --- one run -------------------------------------------------------------------
@@ -322,16 +375,16 @@ def remove_partial_checkpoints(run_dir):
             os.remove(os.path.join(run_dir, entry))
 
 
-def save_checkpoint(model, run_dir, epochs_done):
+def save_checkpoint(model, run_dir, epochs_done, keep=1):
     """Model and optimizer after `epochs_done` epochs, written under a
-    temporary name and renamed (a kill leaves the previous one intact); older
-    checkpoints are removed afterwards."""
+    temporary name and renamed (a kill leaves the previous one intact); all
+    but the newest `keep` checkpoints are removed afterwards."""
     path = os.path.join(run_dir, f"checkpoint-epoch{epochs_done}.keras")
     tmp = os.path.join(run_dir, f"tmp{os.getpid()}.keras")
     model.save(tmp)
     os.replace(tmp, path)
     for epochs, old in _checkpoints(run_dir).items():
-        if epochs < epochs_done:
+        if epochs <= epochs_done - keep:
             os.remove(old)
 
 
@@ -639,9 +692,8 @@ def check_experiment_dependencies():
     """Stops with the install command if the `experiments` extra is missing."""
     import importlib.util
 
-    missing = [
-        m for m in ("tensorflow_datasets", "matplotlib") if importlib.util.find_spec(m) is None
-    ]
+    modules = ("tensorflow_datasets", "matplotlib", "keras_hub", "keras_rs")
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(
             f"vrgd-train needs {', '.join(missing)}: install the package with its "
@@ -657,7 +709,18 @@ def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from tf_vrgd import config
 
-    cfg = config.load(args.config)
+    try:
+        cfg = apply_overrides(config.load(args.config), args.override)
+    except ValueError as error:
+        raise SystemExit(f"vrgd-train: {error}") from None
+    if _get(cfg, "task.model.type", "fashion_mnist_cnn") != "fashion_mnist_cnn":
+        return main_task(args, cfg)
+    for flag, value in (("--train-steps", args.train_steps), ("--synthetic", args.synthetic)):
+        if value:
+            raise SystemExit(
+                f"vrgd-train: {flag} is for the paper's tasks; a Fashion-MNIST run "
+                "takes --epochs and reads its IDX files."
+            )
     experiment = Experiment.from_args(cfg, args)
     devices = setup_devices(experiment.replicas)
 
@@ -697,6 +760,67 @@ def main(argv=None):
         f.write(table + "\n")
     plots = plot(runs, args.output)
     print(f"\nplots: {', '.join(plots)}")
+    print(f"\n{table}", flush=True)
+    return 0
+
+
+def main_task(args, cfg):
+    """`vrgd-train` on a paper task (BERT, ResNet, DLRM)."""
+    from tf_vrgd.experiments import task_runs
+
+    for flag, value in (
+        ("--epochs", args.epochs),
+        ("--batch-size", args.batch_size),
+        ("--train-examples", args.train_examples),
+        ("--data-dir", args.data_dir),
+        ("--cache-dir", args.cache_dir),
+    ):
+        if value is not None:
+            raise SystemExit(
+                f"vrgd-train: {flag} is for Fashion-MNIST runs; a paper task takes "
+                "--train-steps, and --override for its batch "
+                "(task.train_data.global_batch_size) and files (task.train_data.input_path)."
+            )
+    try:
+        experiment = task_runs.TaskExperiment(
+            cfg,
+            train_steps=args.train_steps,
+            seed=args.seed,
+            replicas=args.replicas,
+            synthetic=args.synthetic,
+        )
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"vrgd-train: {error}") from None
+    devices = setup_devices(experiment.replicas)
+
+    import tensorflow as tf
+
+    if args.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    os.makedirs(args.output, exist_ok=True)
+    check_settings(args.output, experiment.settings(args.compare), args.restart)
+    check_runs(experiment, args.compare)
+    print(f"experiment: {args.config}: {experiment.describe()} {devices}", flush=True)
+    if experiment.note:
+        print(f"experiment: {experiment.note}", flush=True)
+    strategy = tf.distribute.MirroredStrategy(devices)
+    runs = {}
+    for name, block in experiment.runs(args.compare):
+        print(f"\n=== {name} ===", flush=True)
+        with open(os.path.join(args.output, f"{name}.optimization.json"), "w") as f:
+            json.dump(block, f, indent=2)
+        try:
+            runs[name] = task_runs.train_task_run(
+                name, block, experiment, strategy, os.path.join(args.output, name), args.verbose
+            )
+        except (ValueError, FileNotFoundError) as error:
+            raise SystemExit(f"vrgd-train: {error}") from None
+    rows = task_runs.summarize(runs, experiment)
+    table = task_runs.format_table(rows)
+    with open(os.path.join(args.output, "summary.json"), "w") as f:
+        json.dump({"config": args.config, "note": experiment.note, "runs": rows}, f, indent=2)
+    with open(os.path.join(args.output, "summary.txt"), "w") as f:
+        f.write(table + "\n")
     print(f"\n{table}", flush=True)
     return 0
 

@@ -1,0 +1,301 @@
+"""The paper's tasks: their input pipelines decode the real file formats
+(files written here, compared with numpy), and `vrgd-train` trains each
+task, from files and `--synthetic`, with its VR twin, on 2 replicas."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import task_data
+from tf_vrgd.experiments import tasks, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER = os.path.join(ROOT, "configs", "paper")
+
+TINY_BERT = {
+    "task.model.encoder.bert.num_layers": 2,
+    "task.model.encoder.bert.hidden_size": 32,
+    "task.model.encoder.bert.num_attention_heads": 2,
+    "task.model.encoder.bert.intermediate_size": 64,
+    "task.model.encoder.bert.vocab_size": 200,
+    "task.train_data.seq_length": 16,
+    "task.train_data.max_predictions_per_seq": 4,
+    "task.train_data.global_batch_size": 16,
+}
+TINY_DLRM = {
+    "task.model.embedding_dim": 4,
+    "task.model.vocab_sizes": [40] * 26,
+    "task.model.bottom_mlp": [16, 4],
+    "task.model.top_mlp": [16, 1],
+    "task.train_data.global_batch_size": 16,
+}
+TINY_CIFAR = {"task.model.resnet.model_id": 20, "task.train_data.global_batch_size": 16}
+
+
+def _cfg(name, overrides):
+    from tf_vrgd import config
+
+    return train.apply_overrides(
+        config.load(os.path.join(PAPER, name)),
+        [f"{k}={json.dumps(v)}" for k, v in overrides.items()],
+    )
+
+
+# --- input pipelines --------------------------------------------------------------
+
+
+def test_bert_records_decode_to_the_written_features(tmp_path):
+    path = str(tmp_path / "bert.tfrecord")
+    written = task_data.write_bert_records(path, 6, 16, 4, 200)
+    cfg = _cfg(
+        "bert_large_vr_lamb_32k_phase1.yaml", {**TINY_BERT, "task.train_data.input_path": path}
+    )
+    task = tasks.from_config(cfg)
+    assert task.dataset("validation", 6, seed=0) is None  # no validation files named
+    # The first batch of the shuffled train split: all six, in some order.
+    x, y, weights = next(iter(task.dataset("train", 6, seed=0)))
+    got = sorted(map(tuple, x["token_ids"].numpy().tolist()))
+    assert got == sorted(tuple(e["input_ids"].tolist()) for e in written)
+    by_ids = {tuple(e["input_ids"].tolist()): e for e in written}
+    for i in range(6):
+        e = by_ids[tuple(x["token_ids"][i].numpy().tolist())]
+        np.testing.assert_array_equal(x["padding_mask"][i], e["input_mask"])
+        np.testing.assert_array_equal(x["segment_ids"][i], e["segment_ids"])
+        np.testing.assert_array_equal(x["mask_positions"][i], e["masked_lm_positions"])
+        np.testing.assert_array_equal(y["mlm"][i], e["masked_lm_ids"])
+        np.testing.assert_array_equal(weights["mlm"][i], e["masked_lm_weights"])
+        assert int(y["nsp"][i]) == int(e["next_sentence_labels"][0])
+
+
+@pytest.mark.parametrize("python", [False, True], ids=["binary", "python"])
+def test_cifar_batches_decode_to_the_written_images(tmp_path, python):
+    written = task_data.write_cifar(str(tmp_path), 3, python=python)
+    cfg = _cfg(
+        "cifar10_resnet56_momentum_1k.yaml",
+        {"task.validation_data.input_path": str(tmp_path)},
+    )
+    task = tasks.from_config(cfg)
+    images, labels = next(iter(task._cifar(str(tmp_path), training=False).batch(100)))
+    np.testing.assert_array_equal(images.numpy(), written["test"][0])
+    np.testing.assert_array_equal(labels.numpy(), written["test"][1])
+    images, labels = next(iter(task._cifar(str(tmp_path), training=True).batch(100)))
+    np.testing.assert_array_equal(images.numpy(), written["train"][0])
+    # Evaluation input: standardised per channel, labels one-hot.
+    x, y = next(iter(task.dataset("validation", 2, seed=0)))
+    expected = (written["test"][0][:2].astype(np.float64) - tasks.CIFAR_MEAN) / tasks.CIFAR_STD
+    np.testing.assert_allclose(x.numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.argmax(y.numpy(), 1), written["test"][1][:2])
+
+
+def test_cifar_folder_without_batches_is_named(tmp_path):
+    cfg = _cfg("cifar10_resnet56_momentum_1k.yaml", {"task.train_data.input_path": str(tmp_path)})
+    with pytest.raises(FileNotFoundError, match=r"data_batch_1\.bin"):
+        tasks.from_config(cfg).dataset("train", 4, seed=0)
+
+
+def test_imagenet_records_decode_crop_and_resize(tmp_path):
+    path = str(tmp_path / "train.tfrecord")
+    labels = task_data.write_imagenet_records(path, 4, size=(48, 64))
+    cfg = _cfg(
+        "imagenet_resnet50_vr_lars_32k.yaml",
+        {
+            "task.model.input_size": [24, 24, 3],
+            "task.train_data.input_path": path,
+            "task.validation_data.input_path": path,
+        },
+    )
+    task = tasks.from_config(cfg)
+    x, y = next(iter(task.dataset("validation", 4, seed=0)))
+    assert x.shape == (4, 24, 24, 3)
+    assert y.shape == (4, 1001)
+    np.testing.assert_array_equal(np.argmax(y.numpy(), 1), labels)
+    # Standardised: ImageNet's mean maps near 0 (random pixels average 127.5).
+    assert abs(float(tf.reduce_mean(x))) < 0.5
+    x, _ = next(iter(task.dataset("train", 4, seed=0)))
+    assert x.shape == (4, 24, 24, 3)
+
+
+def test_criteo_lines_parse_to_log_dense_and_hashed_categories(tmp_path):
+    path = str(tmp_path / "day_0.tsv")
+    labels, dense = task_data.write_criteo(path, 10)
+    cfg = _cfg("dlrm_sgd_64k.yaml", {**TINY_DLRM, "task.validation_data.input_path": path})
+    features, y = next(iter(tasks.from_config(cfg).dataset("validation", 10, seed=0)))
+    np.testing.assert_array_equal(y.numpy()[:, 0], labels)
+    expected = np.log1p(np.maximum(np.nan_to_num(dense, nan=0.0), 0.0))
+    np.testing.assert_allclose(features["dense_features"].numpy(), expected, rtol=1e-6)
+    sparse = features["sparse_features"].numpy()
+    assert sparse.shape == (10, 26)
+    assert sparse.min() >= 0 and sparse.max() < 40
+
+
+def test_overrides_set_nested_fields_as_yaml():
+    cfg = train.apply_overrides(
+        {"task": {"model": {"type": "dlrm"}}},
+        ["task.model.vocab_sizes=[3, 4]", "task.train_data.input_path=/x/*.tsv", "a.b=0.5"],
+    )
+    assert cfg["task"]["model"]["vocab_sizes"] == [3, 4]
+    assert cfg["task"]["train_data"]["input_path"] == "/x/*.tsv"
+    assert cfg["a"]["b"] == 0.5
+    with pytest.raises(ValueError, match="is a value, not a block"):
+        train.apply_overrides(cfg, ["task.model.type.x=1"])
+    with pytest.raises(ValueError, match=r"DOTTED\.KEY=VALUE"):
+        train.apply_overrides(cfg, ["task.model.type"])
+
+
+def test_every_paper_config_builds_its_task():
+    names = sorted(os.listdir(PAPER))
+    kinds = set()
+    for name in names:
+        task = tasks.from_config(_cfg(name, {}))
+        kinds.add(task.name)
+    assert kinds == {"bert", "image_classification", "dlrm"}
+
+
+# --- vrgd-train ---------------------------------------------------------------------
+
+
+def _train(config, output, overrides, *extra):
+    command = [
+        sys.executable,
+        "-m",
+        "tf_vrgd.experiments.train",
+        "--config",
+        os.path.join(PAPER, config),
+        "--output",
+        str(output),
+        "--replicas",
+        "2",
+        "--verbose",
+        "0",
+        "--deterministic",
+        *extra,
+    ]
+    for key, value in overrides.items():
+        command += ["--override", f"{key}={json.dumps(value)}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# Each task once from files (with its twin, and with a resume) and once
+# synthetic. Rates are raised so that a few updates move the loss.
+TASK_RUNS = {
+    "bert": (
+        "bert_large_vr_lamb_32k_phase1.yaml",
+        {
+            **TINY_BERT,
+            "trainer.optimizer_config.learning_rate.polynomial.initial_learning_rate": 0.05,
+        },
+        "bert.tfrecord",
+    ),
+    "resnet": (
+        "cifar10_resnet56_vr_momentum_1k.yaml",
+        {**TINY_CIFAR, "trainer.optimizer_config.learning_rate.cosine.initial_learning_rate": 0.05},
+        "cifar",
+    ),
+    "dlrm": (
+        "dlrm_vr_sgd_64k.yaml",
+        {
+            **TINY_DLRM,
+            "trainer.optimizer_config.learning_rate.polynomial.initial_learning_rate": 0.5,
+        },
+        "criteo.tsv",
+    ),
+}
+
+
+def _write(kind, path):
+    if kind == "bert":
+        task_data.write_bert_records(path, 32, 16, 4, 200)
+    elif kind == "resnet":
+        task_data.write_cifar(path, 16)
+    else:
+        task_data.write_criteo(path, 64)
+
+
+@pytest.mark.parametrize("kind", TASK_RUNS)
+def test_task_trains_from_files_with_its_twin_and_resumes(kind, tmp_path):
+    config, overrides, data = TASK_RUNS[kind]
+    path = str(tmp_path / data)
+    _write(kind, path)
+    overrides = {
+        **overrides,
+        "task.train_data.input_path": path,
+        "task.validation_data.input_path": path,
+        "trainer.checkpoint_interval": 3,
+        "trainer.validation_steps": 1,
+        "trainer.max_to_keep": 2,
+    }
+    output = tmp_path / "run"
+    _train(config, output, overrides, "--train-steps", "6", "--compare")
+    summary = json.loads((output / "summary.json").read_text())
+    runs = {row["run"]: row for row in summary["runs"]}
+    vr = next(name for name in runs if name.startswith("vr_"))
+    base = vr.removeprefix("vr_")
+    assert set(runs) == {vr, base}
+    for name in (vr, base):
+        records = _records(output / name)
+        assert [r["updates"] for r in records] == [3, 6]
+        assert all(np.isfinite(r["train_loss"]) for r in records)
+        assert all(r["examples_per_second"] > 0 for r in records)
+        assert any(k.startswith("validation_") for k in records[-1])
+    assert any(k.startswith("gsnr_scale/") for k in _records(output / vr)[-1])
+
+    # Resume: drop the last checkpoint of the twin and rerun the command;
+    # the optimizer state and the input order come back, so the weights
+    # are the uninterrupted run's.
+    run_dir = output / vr
+    uninterrupted = _weights(run_dir / "final.weights.h5")
+    os.remove(run_dir / "checkpoint-epoch2.keras")
+    first = _records(run_dir)[0]
+    stdout = _train(config, output, overrides, "--train-steps", "6", "--compare")
+    assert f"[{vr}] resuming after interval 1" in stdout
+    records = _records(run_dir)
+    assert [r["updates"] for r in records] == [3, 6]
+    assert records[0] == first
+    resumed = _weights(run_dir / "final.weights.h5")
+    assert resumed.keys() == uninterrupted.keys()
+    for key in uninterrupted:
+        np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-4, atol=1e-6)
+
+
+def _weights(path):
+    import h5py
+
+    arrays = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(
+            lambda name, obj: (
+                arrays.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None
+            )
+        )
+    return arrays
+
+
+@pytest.mark.parametrize("kind", TASK_RUNS)
+def test_synthetic_task_loss_falls(kind, tmp_path):
+    config, overrides, _ = TASK_RUNS[kind]
+    output = tmp_path / "run"
+    _train(
+        config,
+        output,
+        {**overrides, "trainer.checkpoint_interval": 4},
+        "--train-steps",
+        "12",
+        "--synthetic",
+    )
+    name = json.loads((output / "summary.json").read_text())["runs"][0]["run"]
+    records = _records(output / name)
+    assert len(records) == 3
+    assert records[-1]["train_loss"] < records[0]["train_loss"]

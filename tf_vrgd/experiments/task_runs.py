@@ -1,0 +1,254 @@
+"""`vrgd-train` on the paper's tasks (`tf_vrgd.experiments.tasks`): training
+counted in updates, checkpointed every `trainer.checkpoint_interval`
+updates, with the throughput of each interval in the metrics.
+
+A run folder holds `metrics.jsonl` / `metrics.csv` (one record per
+interval: running train loss and metrics, validation metrics where the
+config names validation files, learning rate, seconds, examples per second
+in all and per replica, and the GSNR statistics of a VR optimizer) and
+`checkpoint-epoch<N>.keras` after N intervals (model, optimizer state).
+Each interval's input stream is seeded by the run's seed and the interval's
+index, so a run resumed from its last checkpoint sees the examples the
+uninterrupted run would have seen.
+"""
+
+import math
+import os
+import time
+
+import numpy as np
+
+from tf_vrgd.experiments import train
+
+DEFAULT_CHECKPOINT_INTERVAL = 1000
+
+
+class TaskExperiment:
+    """The parts of a paper-task config that `vrgd-train` uses.
+
+    Args:
+        cfg: The experiment, overrides applied.
+        train_steps: Updates to train (None: `trainer.train_steps`); the
+            schedule's step counts follow the new total.
+        seed: Seed of the initial weights and the input order.
+        replicas: MirroredStrategy replicas (None: `runtime.num_gpus`).
+        synthetic: Random inputs instead of the config's files.
+    """
+
+    def __init__(self, cfg, *, train_steps=None, seed=None, replicas=None, synthetic=False):
+        from tf_vrgd import config
+        from tf_vrgd.experiments import tasks
+
+        get = train._get
+        self.cfg = cfg
+        self.task = tasks.from_config(cfg)
+        block = config.optimization_block(cfg)
+        kind = get(block, "optimizer.type")
+        self.accumulation = int(get(block, f"optimizer.{kind}.gradient_accumulation_steps", 1) or 1)
+        # Model Garden's global_batch_size: the examples of one update.
+        self.global_batch = int(get(cfg, "task.train_data.global_batch_size", 0) or 0)
+        self.replicas = replicas or int(get(cfg, "runtime.num_gpus", 1) or 1)
+        if self.global_batch < 1:
+            raise ValueError("task.train_data.global_batch_size must be set.")
+        if self.global_batch % (self.accumulation * self.replicas):
+            raise ValueError(
+                f"task.train_data.global_batch_size {self.global_batch} does not split into "
+                f"{self.accumulation} accumulation steps over {self.replicas} replicas."
+            )
+        # Each step (one Keras batch) is 1/A of an update.
+        self.step_batch = self.global_batch // self.accumulation
+        config_steps = get(cfg, "trainer.train_steps")
+        if not config_steps:
+            raise ValueError("trainer.train_steps must be set.")
+        config_steps = int(config_steps)
+        self.train_steps = train_steps or config_steps
+        self.interval = min(
+            int(get(cfg, "trainer.checkpoint_interval", DEFAULT_CHECKPOINT_INTERVAL)),
+            self.train_steps,
+        )
+        self.intervals = math.ceil(self.train_steps / self.interval)
+        self.validation_steps = int(
+            get(cfg, "trainer.validation_steps", self.task.validation_steps)
+        )
+        # Model Garden's field: the checkpoints kept (the newest ones).
+        self.max_to_keep = int(get(cfg, "trainer.max_to_keep", 1))
+        if self.max_to_keep < 1:
+            raise ValueError(f"trainer.max_to_keep must be >= 1. Received: {self.max_to_keep}")
+        self.seed = seed if seed is not None else int(get(cfg, "runtime.seed", 0) or 0)
+        self.synthetic = bool(synthetic)
+        self.block = block
+        self.note = ""
+        if self.train_steps != config_steps:
+            self.block = train.rescale_schedule(block, self.train_steps / config_steps, 1.0)
+            self.note = f"schedule rescaled from {config_steps} to {self.train_steps} updates"
+
+    def settings(self, compare):
+        return {
+            "config": self.cfg,
+            "train_steps": self.train_steps,
+            "seed": self.seed,
+            "replicas": self.replicas,
+            "synthetic": self.synthetic,
+            "compare": bool(compare),
+        }
+
+    def runs(self, compare):
+        return train.runs_of(self.block, compare)
+
+    def describe(self):
+        source = "synthetic inputs" if self.synthetic else "the config's files"
+        return (
+            f"task {self.task.name}: {self.train_steps} updates of {self.global_batch} "
+            f"examples ({self.accumulation} step(s) of {self.step_batch} each) on "
+            f"{self.replicas} replica(s), checkpoints every {self.interval} updates, "
+            f"{source}, seed {self.seed}"
+        )
+
+    def dataset(self, split, interval):
+        """The input of one interval, seeded by the interval: a resumed run
+        replays the order of an uninterrupted one."""
+        seed = self.seed * 100003 + interval
+        if self.synthetic:
+            return None if split != "train" else self.task.synthetic_dataset(self.step_batch, seed)
+        return self.task.dataset(split, self.step_batch, seed)
+
+
+def _interval_callback(experiment, model, vr_optimizer, run_dir, records, updates):
+    import keras
+
+    from tf_vrgd import statistics
+
+    class IntervalEnd(keras.callbacks.Callback):
+        """Records the interval's metrics and throughput, then checkpoints."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.time()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds = time.time() - self.start
+            examples = updates * experiment.global_batch
+            record = {
+                "epoch": epoch,
+                "updates": (epoch * experiment.interval) + updates,
+                "seconds": seconds,
+                "examples_per_second": examples / seconds,
+                "examples_per_second_per_replica": examples / seconds / experiment.replicas,
+                "learning_rate": float(model.optimizer.learning_rate.numpy()),
+            }
+            record.update({f"train_{k}": float(v) for k, v in (logs or {}).items()})
+            validation = experiment.dataset("validation", epoch)
+            if validation is not None:
+                values = model.evaluate(
+                    validation, steps=experiment.validation_steps, verbose=0, return_dict=True
+                )
+                record.update({f"validation_{k}": float(v) for k, v in values.items()})
+            if vr_optimizer is not None:
+                for path, stats in vr_optimizer.gsnr_statistics().items():
+                    path = path.removeprefix(f"{model.name}/")
+                    for column, key in statistics.LOG_KEYS.items():
+                        record[f"{key}/{path}"] = stats[column]
+            records.append(record)
+            train.write_records(run_dir, records)
+            train.save_checkpoint(model, run_dir, epoch + 1, keep=experiment.max_to_keep)
+
+    return IntervalEnd()
+
+
+def train_task_run(name, block, experiment, strategy, run_dir, verbose):
+    """Trains (or resumes) one run of a paper task; returns its records."""
+    import keras
+
+    import tf_vrgd
+    from tf_vrgd import config, find_vr_optimizer
+
+    os.makedirs(run_dir, exist_ok=True)
+    train.remove_partial_checkpoints(run_dir)
+    checkpoints = train._checkpoints(run_dir)
+    done = max(checkpoints, default=0)
+    with strategy.scope():
+        keras.utils.set_random_seed(experiment.seed)
+        model = experiment.task.build_model()
+        model.compile(
+            optimizer=config.optimizer_from_config(block), **experiment.task.compile_args()
+        )
+        vr_optimizer = find_vr_optimizer(model.optimizer)
+        if vr_optimizer is not None:
+            # Read at build.
+            vr_optimizer.track_gsnr_statistics = True
+        if done:
+            # Into the model as built here: `load_model` cannot rebuild
+            # BERT's output layer tied to its token embedding.
+            model.optimizer.build(model.trainable_variables)
+            model.load_weights(checkpoints[done])
+    records = train.read_records(os.path.join(run_dir, "metrics.jsonl"), done)
+    if done:
+        print(f"[{name}] resuming after interval {done} from {checkpoints[done]}", flush=True)
+    monitor = [] if vr_optimizer is None else [tf_vrgd.GSNRMonitor(per_variable=False)]
+    for interval in range(done, experiment.intervals):
+        _reseed_random_layers(model, interval)
+        updates = min(experiment.interval, experiment.train_steps - interval * experiment.interval)
+        callback = _interval_callback(experiment, model, vr_optimizer, run_dir, records, updates)
+        model.fit(
+            experiment.dataset("train", interval),
+            initial_epoch=interval,
+            epochs=interval + 1,
+            steps_per_epoch=updates * experiment.accumulation,
+            callbacks=[*monitor, callback],
+            verbose=verbose,
+        )
+    model.save_weights(os.path.join(run_dir, "final.weights.h5"))
+    return records
+
+
+# Calls of a random layer (dropout) in one interval stay below this.
+RANDOM_CALLS_PER_INTERVAL = 2**20
+
+
+def _reseed_random_layers(model, interval):
+    """Restarts every random layer's stream (dropout) at a point fixed by the
+    interval: a checkpoint does not hold those streams, and a resumed run
+    must draw what the uninterrupted one drew."""
+    for layer in model._flatten_layers():
+        for generator in getattr(layer, "_seed_generators", ()):
+            seed = generator.state.numpy()[0]
+            counter = interval * RANDOM_CALLS_PER_INTERVAL % 2**31
+            generator.state.assign(np.array([seed, counter], generator.state.dtype))
+
+
+def summarize(runs, experiment):
+    """One row per run: its last record's metrics and the throughput of
+    the intervals after the first (the first pays tracing and compilation;
+    with one interval, that one)."""
+    rows = []
+    for name, records in runs.items():
+        if not records:
+            continue
+        steady = records[1:] or records
+        seconds = sum(r["seconds"] for r in steady)
+        examples = sum(r["examples_per_second"] * r["seconds"] for r in steady)
+        last = records[-1]
+        row = {
+            "run": name,
+            "updates": last["updates"],
+            "replicas": experiment.replicas,
+            "train_loss": last.get("train_loss", float("nan")),
+            "examples_per_second": examples / seconds,
+            "first_interval_seconds": records[0]["seconds"],
+        }
+        row.update({k: v for k, v in last.items() if k.startswith("validation_")})
+        rows.append(row)
+    return rows
+
+
+def format_table(rows):
+    keys = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    cells = [keys] + [
+        [f"{row[k]:.4g}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k in keys]
+        for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(keys))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,540 @@
+"""The paper's tasks, built from an experiment's `task` block (Model Garden
+field names): the model, its loss and metrics, and its input pipelines,
+from files in the formats the public tools write or, with `synthetic`,
+from random tensors of the same shapes made on the device.
+
+- `bert`: BERT pretraining, masked-LM and next-sentence heads on KerasHub's
+  `BertBackbone`, reading the TFRecords of BERT's `create_pretraining_data`.
+- `resnet`: ResNet-50 v1.5 on ImageNet TFRecords (`image/encoded`,
+  `image/class/label`), or ResNet-56 (`resnet.model_id: 56`) on CIFAR-10's
+  binary or python batches.
+- `dlrm`: DLRM (bottom MLP, embedding tables, dot interaction from Keras-RS,
+  top MLP) on Criteo's TSV lines.
+
+Every task returns its datasets batched by the per-step (global) batch,
+repeating without end; `vrgd-train` sizes the steps.
+"""
+
+import copy
+import glob
+import os
+import pickle
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_vrgd.experiments import resnet
+
+
+def _get(cfg, path, default=None):
+    for key in path.split("."):
+        if not isinstance(cfg, dict) or key not in cfg:
+            return default
+        cfg = cfg[key]
+    return default if cfg is None else cfg
+
+
+def _files(pattern):
+    """The files of a Model Garden `input_path`: comma-separated globs."""
+    if not pattern:
+        raise ValueError(
+            "The task reads files but task.train_data.input_path is not set: pass "
+            "--override task.train_data.input_path=PATH, or --synthetic."
+        )
+    found = sorted(f for part in str(pattern).split(",") for f in glob.glob(part.strip()))
+    if not found:
+        raise FileNotFoundError(f"No file matches input_path {pattern!r}.")
+    return found
+
+
+class Task:
+    """One task of an experiment config. Subclasses fill in the model, its
+    compile arguments and the datasets.
+
+    Args:
+        cfg: The experiment (a dict, as `tf_vrgd.config.load` returns it).
+    """
+
+    name = ""
+    # Default of `trainer.validation_steps` when the config has none.
+    validation_steps = 10
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.model_cfg = copy.deepcopy(_get(cfg, "task.model", {}))
+
+    def build_model(self):
+        raise NotImplementedError
+
+    def compile_args(self):
+        """`loss`, `metrics` (and `loss_weights`) for `model.compile`."""
+        raise NotImplementedError
+
+    def synthetic_batch(self, batch_size, seed):
+        """One batch `(x, y[, sample_weight])` of random tensors."""
+        raise NotImplementedError
+
+    def dataset(self, split, batch_size, seed):
+        """The `train` or `validation` dataset from the config's input
+        files, batched; None where the config names no files for `split`."""
+        raise NotImplementedError
+
+    def synthetic_dataset(self, batch_size, seed):
+        """One random batch, made on the device and repeated: the shapes
+        and dtypes of the real input, no files (Model Garden's synthetic
+        mode does the same)."""
+        batch = self.synthetic_batch(batch_size, seed)
+        return tf.data.Dataset.from_tensors(batch).repeat()
+
+    def _data_cfg(self, split):
+        return _get(self.cfg, f"task.{split}_data", {})
+
+    def _drop_remainder(self, split):
+        """Model Garden's `drop_remainder` (default True): batches of fewer
+        examples than the batch are dropped; a partial batch split over
+        replicas can leave a replica without examples, which BatchNorm and
+        some reductions refuse."""
+        return bool(_get(self._data_cfg(split), "drop_remainder", True))
+
+
+# --- BERT --------------------------------------------------------------------
+
+
+class BertPretraining(Task):
+    """BERT pretraining: masked LM on `max_predictions_per_seq` positions and
+    next-sentence prediction, losses summed (as in BERT); the masked-LM loss
+    is the mean over real (weight 1) predictions."""
+
+    name = "bert"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        bert = _get(self.model_cfg, "encoder.bert", {})
+        self.vocab_size = int(bert.get("vocab_size", 30522))
+        self.hidden_size = int(bert.get("hidden_size", 768))
+        self.num_layers = int(bert.get("num_layers", 12))
+        self.num_heads = int(bert.get("num_attention_heads", 12))
+        self.intermediate_size = int(bert.get("intermediate_size", 3072))
+        self.max_position = int(bert.get("max_position_embeddings", 512))
+        self.type_vocab_size = int(bert.get("type_vocab_size", 2))
+        self.dropout = float(bert.get("dropout_rate", 0.1))
+        data = self._data_cfg("train")
+        self.seq_length = int(data.get("seq_length", 128))
+        self.max_predictions = int(data.get("max_predictions_per_seq", 20))
+        if self.seq_length > self.max_position:
+            raise ValueError(
+                f"task.train_data.seq_length {self.seq_length} exceeds the encoder's "
+                f"max_position_embeddings {self.max_position}."
+            )
+
+    def build_model(self):
+        import keras_hub
+
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=self.vocab_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            hidden_dim=self.hidden_size,
+            intermediate_dim=self.intermediate_size,
+            dropout=self.dropout,
+            max_sequence_length=self.max_position,
+            num_segments=self.type_vocab_size,
+        )
+        inputs = {
+            "token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
+            "segment_ids": keras.Input((None,), dtype="int32", name="segment_ids"),
+            "padding_mask": keras.Input((None,), dtype="int32", name="padding_mask"),
+            "mask_positions": keras.Input((None,), dtype="int32", name="mask_positions"),
+        }
+        encoded = backbone({k: inputs[k] for k in ("token_ids", "segment_ids", "padding_mask")})
+        # Logits over the vocabulary, the output projection tied to the
+        # token embedding (BERT's).
+        mlm = keras_hub.layers.MaskedLMHead(
+            token_embedding=backbone.token_embedding,
+            intermediate_activation="gelu",
+            name="mlm",
+        )(encoded["sequence_output"], mask_positions=inputs["mask_positions"])
+        nsp = keras.layers.Dense(2, name="nsp")(encoded["pooled_output"])
+        return keras.Model(inputs, {"mlm": mlm, "nsp": nsp}, name="bert_pretraining")
+
+    def compile_args(self):
+        return {
+            "loss": {
+                "mlm": keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True, reduction="mean_with_sample_weight"
+                ),
+                "nsp": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            },
+            "weighted_metrics": {"mlm": ["sparse_categorical_accuracy"]},
+            "metrics": {"nsp": ["sparse_categorical_accuracy"]},
+        }
+
+    def _example(self, features):
+        x = {
+            "token_ids": features["input_ids"],
+            "segment_ids": features["segment_ids"],
+            "padding_mask": features["input_mask"],
+            "mask_positions": features["masked_lm_positions"],
+        }
+        y = {"mlm": features["masked_lm_ids"], "nsp": features["next_sentence_labels"]}
+        weights = {
+            "mlm": features["masked_lm_weights"],
+            "nsp": tf.ones_like(features["next_sentence_labels"], tf.float32),
+        }
+        return x, y, weights
+
+    def feature_spec(self):
+        """BERT's pretraining TFRecord features."""
+        seq, preds = self.seq_length, self.max_predictions
+        ints = tf.int64
+        return {
+            "input_ids": tf.io.FixedLenFeature([seq], ints),
+            "input_mask": tf.io.FixedLenFeature([seq], ints),
+            "segment_ids": tf.io.FixedLenFeature([seq], ints),
+            "masked_lm_positions": tf.io.FixedLenFeature([preds], ints),
+            "masked_lm_ids": tf.io.FixedLenFeature([preds], ints),
+            "masked_lm_weights": tf.io.FixedLenFeature([preds], tf.float32),
+            "next_sentence_labels": tf.io.FixedLenFeature([1], ints),
+        }
+
+    def _decode(self, record):
+        features = tf.io.parse_single_example(record, self.feature_spec())
+        features = {
+            k: tf.cast(v, tf.int32) if v.dtype == tf.int64 else v for k, v in features.items()
+        }
+        features["next_sentence_labels"] = tf.reshape(features["next_sentence_labels"], [])
+        return self._example(features)
+
+    def dataset(self, split, batch_size, seed):
+        path = _get(self._data_cfg(split), "input_path")
+        if split != "train" and not path:
+            return None
+        files = _files(path)
+        ds = tf.data.TFRecordDataset(files)
+        if split == "train":
+            ds = ds.shuffle(10000, seed=seed, reshuffle_each_iteration=True).repeat()
+        ds = ds.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE)
+        return ds.batch(batch_size, drop_remainder=self._drop_remainder(split)).prefetch(
+            tf.data.AUTOTUNE
+        )
+
+    def synthetic_batch(self, batch_size, seed):
+        seq, preds = self.seq_length, self.max_predictions
+        seeds = [[seed, i] for i in range(5)]
+        positions = tf.random.stateless_uniform(
+            [batch_size, preds], seeds[0], maxval=seq, dtype=tf.int32
+        )
+        features = {
+            "input_ids": tf.random.stateless_uniform(
+                [batch_size, seq], seeds[1], maxval=self.vocab_size, dtype=tf.int32
+            ),
+            "input_mask": tf.ones([batch_size, seq], tf.int32),
+            "segment_ids": tf.random.stateless_uniform(
+                [batch_size, seq], seeds[2], maxval=self.type_vocab_size, dtype=tf.int32
+            ),
+            "masked_lm_positions": positions,
+            "masked_lm_ids": tf.random.stateless_uniform(
+                [batch_size, preds], seeds[3], maxval=self.vocab_size, dtype=tf.int32
+            ),
+            "masked_lm_weights": tf.ones([batch_size, preds], tf.float32),
+            "next_sentence_labels": tf.random.stateless_uniform(
+                [batch_size], seeds[4], maxval=2, dtype=tf.int32
+            ),
+        }
+        return self._example(features)
+
+
+# --- image classification ---------------------------------------------------------
+
+# ImageNet's per-channel mean and standard deviation (of 0-255 pixels).
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+# CIFAR-10's, over the training set.
+CIFAR_MEAN = (125.3, 123.0, 113.9)
+CIFAR_STD = (63.0, 62.1, 66.7)
+CIFAR_RECORD_BYTES = 1 + 32 * 32 * 3
+
+
+class ImageClassification(Task):
+    """ResNet-50 v1.5 on ImageNet TFRecords, or the CIFAR-10 ResNet-56
+    (`resnet.model_id: 56`) on CIFAR-10 files.
+
+    Labels are used as stored: Model Garden's ImageNet records count classes
+    from 1 with 0 unused (`num_classes: 1001`).
+    """
+
+    name = "image_classification"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.depth = int(_get(self.model_cfg, "resnet.model_id", 50))
+        self.cifar = self.depth in resnet.CIFAR_DEPTHS
+        if not self.cifar and self.depth not in resnet.IMAGENET_BLOCKS:
+            raise ValueError(
+                f"task.model.resnet.model_id must be one of "
+                f"{sorted(resnet.IMAGENET_BLOCKS) + sorted(resnet.CIFAR_DEPTHS)}. "
+                f"Received: {self.depth}"
+            )
+        default_size = [32, 32, 3] if self.cifar else [224, 224, 3]
+        self.input_size = [int(s) for s in _get(self.model_cfg, "input_size", default_size)]
+        self.num_classes = int(_get(self.model_cfg, "num_classes", 10 if self.cifar else 1001))
+        losses = _get(cfg, "task.losses", {})
+        self.label_smoothing = float(losses.get("label_smoothing", 0.0) or 0.0)
+        self.l2 = float(losses.get("l2_weight_decay", 0.0) or 0.0)
+
+    def build_model(self):
+        build = resnet.cifar_resnet if self.cifar else resnet.resnet_v1_5
+        return build(
+            self.depth,
+            input_shape=tuple(self.input_size),
+            num_classes=self.num_classes,
+            l2_weight_decay=self.l2,
+        )
+
+    def compile_args(self):
+        return {
+            "loss": keras.losses.CategoricalCrossentropy(
+                from_logits=True, label_smoothing=self.label_smoothing
+            ),
+            "metrics": ["categorical_accuracy"],
+        }
+
+    def _one_hot(self, image, label):
+        return image, tf.one_hot(label, self.num_classes)
+
+    def synthetic_batch(self, batch_size, seed):
+        images = tf.random.stateless_normal([batch_size, *self.input_size], [seed, 0])
+        labels = tf.random.stateless_uniform(
+            [batch_size], [seed, 1], maxval=self.num_classes, dtype=tf.int32
+        )
+        return self._one_hot(images, labels)
+
+    def dataset(self, split, batch_size, seed):
+        path = _get(self._data_cfg(split), "input_path")
+        if split != "train" and not path:
+            return None
+        training = split == "train"
+        if self.cifar:
+            ds = self._cifar(path, training)
+        else:
+            ds = tf.data.TFRecordDataset(_files(path)).map(
+                self._decode_imagenet, num_parallel_calls=tf.data.AUTOTUNE
+            )
+        if training:
+            ds = ds.shuffle(10000, seed=seed, reshuffle_each_iteration=True).repeat()
+        preprocess = self._preprocess_cifar if self.cifar else self._preprocess_imagenet
+        ds = ds.map(
+            lambda image, label: self._one_hot(preprocess(image, training), label),
+            num_parallel_calls=tf.data.AUTOTUNE,
+        )
+        return ds.batch(batch_size, drop_remainder=self._drop_remainder(split)).prefetch(
+            tf.data.AUTOTUNE
+        )
+
+    # ImageNet.
+
+    @staticmethod
+    def _decode_imagenet(record):
+        features = tf.io.parse_single_example(
+            record,
+            {
+                "image/encoded": tf.io.FixedLenFeature([], tf.string),
+                "image/class/label": tf.io.FixedLenFeature([], tf.int64),
+            },
+        )
+        return features["image/encoded"], tf.cast(features["image/class/label"], tf.int32)
+
+    def _preprocess_imagenet(self, encoded, training):
+        """Inception-style crop (8% to 100% of the area, aspect 3/4 to 4/3)
+        and flip for training; the central 87.5% for evaluation; resized to
+        the input size and standardised per channel."""
+        height, width = self.input_size[:2]
+        shape = tf.image.extract_jpeg_shape(encoded)
+        if training:
+            begin, size, _ = tf.image.sample_distorted_bounding_box(
+                shape,
+                bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]),
+                min_object_covered=0.1,
+                aspect_ratio_range=(3 / 4, 4 / 3),
+                area_range=(0.08, 1.0),
+                max_attempts=10,
+                use_image_if_no_bounding_boxes=True,
+            )
+            window = tf.stack([begin[0], begin[1], size[0], size[1]])
+        else:
+            side = tf.cast(0.875 * tf.cast(tf.minimum(shape[0], shape[1]), tf.float32), tf.int32)
+            window = tf.stack([(shape[0] - side) // 2, (shape[1] - side) // 2, side, side])
+        image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
+        image = tf.image.resize(image, [height, width])
+        if training:
+            image = tf.image.random_flip_left_right(image)
+        return (image - IMAGENET_MEAN) / IMAGENET_STD
+
+    # CIFAR-10.
+
+    def _cifar(self, path, training):
+        """CIFAR-10 from a folder with the binary batches
+        (`data_batch_1.bin`..., `test_batch.bin`) or the python ones
+        (`data_batch_1`..., `test_batch`)."""
+        if not path or not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"task.*_data.input_path must be a folder of CIFAR-10 batches. Received: {path!r}"
+            )
+        names = [f"data_batch_{i}" for i in range(1, 6)] if training else ["test_batch"]
+        binary = [os.path.join(path, f"{n}.bin") for n in names]
+        python = [os.path.join(path, n) for n in names]
+        if all(os.path.exists(f) for f in binary):
+            ds = tf.data.FixedLengthRecordDataset(binary, CIFAR_RECORD_BYTES)
+            return ds.map(_decode_cifar_record, num_parallel_calls=tf.data.AUTOTUNE)
+        if all(os.path.exists(f) for f in python):
+            images, labels = [], []
+            for f in python:
+                with open(f, "rb") as handle:
+                    batch = pickle.load(handle, encoding="bytes")
+                images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32))
+                labels.append(np.asarray(batch[b"labels"], np.int32))
+            images = np.concatenate(images).transpose(0, 2, 3, 1)
+            return tf.data.Dataset.from_tensor_slices((images, np.concatenate(labels)))
+        expected = ", ".join(os.path.basename(b) for b in binary)
+        raise FileNotFoundError(
+            f"{path} has neither CIFAR-10's binary batches ({expected}) nor its python batches."
+        )
+
+    def _preprocess_cifar(self, image, training):
+        """4-pixel padding, random 32x32 crop and flip for training;
+        standardised per channel."""
+        image = tf.cast(image, tf.float32)
+        if training:
+            image = tf.image.pad_to_bounding_box(image, 4, 4, 40, 40)
+            image = tf.image.random_crop(image, [32, 32, 3])
+            image = tf.image.random_flip_left_right(image)
+        return (image - CIFAR_MEAN) / CIFAR_STD
+
+
+def _decode_cifar_record(record):
+    raw = tf.io.decode_raw(record, tf.uint8)
+    label = tf.cast(raw[0], tf.int32)
+    image = tf.transpose(tf.reshape(raw[1:], [3, 32, 32]), [1, 2, 0])
+    return image, label
+
+
+# --- DLRM ----------------------------------------------------------------------
+
+# Model Garden's DLRM defaults (Criteo Terabyte, MLPerf's vocabulary sizes).
+CRITEO_VOCAB_SIZES = [
+    39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10,
+    2208, 11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
+]  # fmt: skip
+NUM_DENSE = 13
+
+
+class Dlrm(Task):
+    """DLRM: dense features through the bottom MLP, one embedding per
+    categorical feature, pairwise dot products of all of them (Keras-RS
+    `DotInteraction`) with the bottom output, then the top MLP to one
+    logit. Criteo TSV lines: the label, 13 integer and 26 hexadecimal
+    categorical features; integers enter as log(1 + max(x, 0)),
+    categories are hashed into each table."""
+
+    name = "dlrm"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        m = self.model_cfg
+        self.vocab_sizes = [int(v) for v in m.get("vocab_sizes", CRITEO_VOCAB_SIZES)]
+        self.embedding_dim = int(m.get("embedding_dim", 128))
+        self.bottom_mlp = [int(u) for u in m.get("bottom_mlp", [512, 256, self.embedding_dim])]
+        self.top_mlp = [int(u) for u in m.get("top_mlp", [1024, 1024, 512, 256, 1])]
+        self.num_dense = int(m.get("num_dense_features", NUM_DENSE))
+        if self.bottom_mlp[-1] != self.embedding_dim:
+            raise ValueError(
+                "task.model.bottom_mlp must end in embedding_dim "
+                f"({self.embedding_dim}) for the dot interaction. Received: {self.bottom_mlp}"
+            )
+        if self.top_mlp[-1] != 1:
+            raise ValueError(f"task.model.top_mlp must end in 1. Received: {self.top_mlp}")
+
+    def build_model(self):
+        import keras_rs
+
+        dense = keras.Input((self.num_dense,), name="dense_features")
+        sparse = keras.Input((len(self.vocab_sizes),), dtype="int32", name="sparse_features")
+        x = dense
+        for i, units in enumerate(self.bottom_mlp):
+            x = keras.layers.Dense(units, activation="relu", name=f"bottom_{i}")(x)
+        embeddings = [
+            keras.layers.Embedding(size, self.embedding_dim, name=f"embedding_{i}")(sparse[:, i])
+            for i, size in enumerate(self.vocab_sizes)
+        ]
+        interaction = keras_rs.layers.DotInteraction(name="interaction")([x, *embeddings])
+        y = keras.layers.Concatenate(name="top_input")([x, interaction])
+        for i, units in enumerate(self.top_mlp):
+            last = i == len(self.top_mlp) - 1
+            y = keras.layers.Dense(units, activation=None if last else "relu", name=f"top_{i}")(y)
+        return keras.Model({"dense_features": dense, "sparse_features": sparse}, y, name="dlrm")
+
+    def compile_args(self):
+        return {
+            "loss": keras.losses.BinaryCrossentropy(from_logits=True),
+            "metrics": [keras.metrics.AUC(from_logits=True, name="auc")],
+        }
+
+    def _parse_lines(self, lines):
+        defaults = [[0.0]] + [[0.0]] * self.num_dense + [[""]] * len(self.vocab_sizes)
+        columns = tf.io.decode_csv(lines, defaults, field_delim="\t")
+        label = tf.reshape(columns[0], [-1, 1])
+        dense = tf.math.log1p(tf.maximum(tf.stack(columns[1 : 1 + self.num_dense], 1), 0.0))
+        sparse = tf.stack(
+            [
+                tf.strings.to_hash_bucket_fast(column, size)
+                for column, size in zip(columns[1 + self.num_dense :], self.vocab_sizes)
+            ],
+            1,
+        )
+        features = {"dense_features": dense, "sparse_features": tf.cast(sparse, tf.int32)}
+        return features, label
+
+    def dataset(self, split, batch_size, seed):
+        path = _get(self._data_cfg(split), "input_path")
+        if split != "train" and not path:
+            return None
+        ds = tf.data.TextLineDataset(_files(path))
+        if split == "train":
+            ds = ds.shuffle(10000, seed=seed, reshuffle_each_iteration=True).repeat()
+        ds = ds.batch(batch_size, drop_remainder=self._drop_remainder(split))
+        return ds.map(self._parse_lines, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
+            tf.data.AUTOTUNE
+        )
+
+    def synthetic_batch(self, batch_size, seed):
+        dense = tf.math.log1p(
+            tf.random.stateless_uniform([batch_size, self.num_dense], [seed, 0], maxval=100.0)
+        )
+        sparse = tf.stack(
+            [
+                tf.random.stateless_uniform(
+                    [batch_size], [seed, 1 + i], maxval=size, dtype=tf.int32
+                )
+                for i, size in enumerate(self.vocab_sizes)
+            ],
+            1,
+        )
+        labels = tf.cast(
+            tf.random.stateless_uniform([batch_size, 1], [seed, 99]) < 0.25, tf.float32
+        )
+        return {"dense_features": dense, "sparse_features": sparse}, labels
+
+
+TASKS = {"bert": BertPretraining, "resnet": ImageClassification, "dlrm": Dlrm}
+
+
+def from_config(cfg):
+    """The task of an experiment, by `task.model.type`."""
+    kind = _get(cfg, "task.model.type")
+    if kind not in TASKS:
+        raise ValueError(
+            f"task.model.type must be one of {sorted(TASKS)} or fashion_mnist_cnn. "
+            f"Received: {kind!r}"
+        )
+    return TASKS[kind](cfg)
