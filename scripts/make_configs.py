@@ -25,6 +25,20 @@ K = 1024  # the paper's "16k" batch is 16 x 1024 samples
 # Section 6 of the paper: gamma = 0.1, beta_1 = beta_3 = 0.9, beta_2 = 0.999
 # "by default" in all experiments, and k >= 8 samples.
 VR_DEFAULTS = {"gamma": 0.1, "beta_3": 0.9}
+# Said in the header of every VR-SGD/Momentum/LARS config, whose classes
+# default to Algorithm 1's beta_3 = 0.
+BETA_3_NOTE = [
+    "beta_3 = 0.9 (GSNR momentum): section 6 sets beta_1 = beta_3 = 0.9 by default",
+    "in all experiments. Algorithm 1 (VR-SGD) is written without it, and VRSGD and",
+    "VRLARS default to beta_3 = 0 (Algorithm 1) when built directly.",
+]
+# NVIDIA's DLRM defaults at batch 64k (one epoch is about 64,000 steps):
+# warm-up 8,000 steps, the peak held until step 48,000, then polynomial
+# (power 2) decay over 24,000 steps. Other batches keep these fractions of
+# the epoch.
+NVIDIA_DLRM_BATCH = 64 * K
+NVIDIA_DLRM_DECAY_START = 48_000
+NVIDIA_DLRM_DECAY_STEPS = 24_000
 
 # --- Table 8: BERT-large pretraining with VR-LAMB ---------------------------
 # (batch phase 1, batch phase 2, total steps, warmup 1, lr 1, k 1, warmup 2, lr 2, k 2, F1)
@@ -37,9 +51,14 @@ TABLE_8 = [
     ("96k", 96 * K, 96 * K, 5214, 1870, 0.007, 12, 187, 0.0055, 96, 90.70),
     ("128k-64k", 128 * K, 64 * K, 4301, 1760, 0.007, 16, 200, 0.00575, 64, 90.85),
 ]
-# Phase 2 trains on 10% of the samples (51.2 M sequences of 512 tokens) as
-# in You et al. 2020 (LAMB); phase 1 takes the rest of Table 8's steps.
-PHASE_2_SAMPLES = 51_200_000
+# Section 6: "First 90% steps use a sequence length of 128 (phase-1) and
+# last 10% use a sequence length of 512 (phase-2)".
+PHASE_2_FRACTION = 0.1
+# The paper's k (Table 8's "Acc-steps (k)") is the number of gradient
+# samples per update; here k = replicas x gradient_accumulation_steps, so a
+# node of 8 GPUs accumulates k / 8 micro-steps (4 GPUs where 8 does not
+# divide k).
+BERT_GPUS = 8
 
 # --- Table 9: ImageNet ResNet-50 with VR-LARS --------------------------------
 # (batch, warmup epochs, lr, k devices, top-1)
@@ -159,26 +178,33 @@ def _write(path, header, cfg):
 def bert_configs(out):
     paths = []
     for label, b1, b2, steps, w1, lr1, k1, w2, lr2, k2, f1 in TABLE_8:
-        phase_2_steps = round(PHASE_2_SAMPLES / b2)
+        phase_2_steps = round(PHASE_2_FRACTION * steps)
         phases = {
             1: (b1, steps - phase_2_steps, w1, lr1, k1, 128, 20),
             2: (b2, phase_2_steps, w2, lr2, k2, 512, 80),
         }
         for phase, (batch, phase_steps, warmup, lr, k, seq, predictions) in phases.items():
+            gpus = BERT_GPUS if k % BERT_GPUS == 0 else BERT_GPUS // 2
+            accumulation = k // gpus
             header = [
                 f"BERT-large pretraining, VR-LAMB, batch {label}, phase {phase} of 2.",
                 f"VRGD paper Table 8, row '{label}': {steps} steps in all, phase {phase}: "
                 f"warm-up {warmup} steps, LR {lr}, k = {k}; SQuAD F1 {f1}.",
+                "From the paper's text: phase 1 is the first 90% of the steps at sequence",
+                "length 128, phase 2 the last 10% at 512 (mixed-batch rows change the batch",
+                "with the phase).",
                 "",
-                "Left open by the paper, chosen here:",
-                f"- the phase split: phase 2 trains on {PHASE_2_SAMPLES:,} sequences (10% of",
-                "  the samples, You et al. 2020), phase 1 on Table 8's remaining steps;",
-                "- sequence length 128 / 512 and 20 / 80 masked tokens (BERT's two phases);",
-                "- LAMB decay 0.01 without LayerNorm and bias (BERT's setting), linear",
-                "  warm-up then polynomial (power 1) decay to 0 over the phase;",
-                "- Table 8 gives k as gradient-accumulation steps: here k = replicas x",
-                "  gradient_accumulation_steps (docs/algorithms.md §1), so on R replicas the",
-                "  paper's k is gradient_accumulation_steps below.",
+                f"k = replicas x gradient_accumulation_steps = {gpus} x {accumulation} = {k}, the",
+                "paper's k (gradient samples per update, docs/algorithms.md §1). An update",
+                f"takes global_batch_size = {batch} sequences: {accumulation} micro-step(s) of",
+                f"{batch // accumulation} over all replicas, {batch // k} per GPU; train_steps "
+                "and the",
+                "schedule count updates. A GPU that cannot hold its share needs more",
+                "accumulation, which raises k (another GSNR estimate than the paper's).",
+                "",
+                "Left open by the paper, chosen here: 20 / 80 masked tokens (BERT's two",
+                "phases); LAMB decay 0.01 without LayerNorm and bias (BERT's setting),",
+                "linear warm-up then polynomial (power 1) decay to 0 over the phase.",
             ]
             cfg = {
                 "task": {
@@ -211,7 +237,11 @@ def bert_configs(out):
                                 "epsilon": 1e-6,
                                 "weight_decay_rate": 0.01,
                                 "exclude_from_weight_decay": ["LayerNorm", "layer_norm", "bias"],
-                                "gradient_accumulation_steps": k,
+                                **(
+                                    {"gradient_accumulation_steps": accumulation}
+                                    if accumulation > 1
+                                    else {}
+                                ),
                             },
                             vr=True,
                         ),
@@ -227,7 +257,7 @@ def bert_configs(out):
                         "warmup": _warmup(warmup),
                     },
                 },
-                "runtime": {"distribution_strategy": "multi_worker_mirrored", "num_gpus": 8},
+                "runtime": {"distribution_strategy": "mirrored", "num_gpus": gpus},
             }
             paths.append(
                 _write(
@@ -252,6 +282,8 @@ def imagenet_configs(out):
             "(Model Garden's eeta), momentum 0.9, weight decay 1e-4 (Model Garden's",
             "ResNet-50 value) without batch-norm and bias variables, label smoothing 0.1.",
             f"k = {k} replicas of 8 GPUs per node.",
+            "",
+            *BETA_3_NOTE,
         ]
         cfg = {
             "task": {
@@ -295,6 +327,9 @@ def dlrm_configs(out):
     for label, batch, warmup_epochs, lr, auc_sgd, auc_vr in TABLE_10:
         steps = math.ceil(CRITEO_TRAIN / batch)
         warmup = round(warmup_epochs * steps)
+        scale = NVIDIA_DLRM_BATCH / batch
+        decay_start = max(warmup, round(NVIDIA_DLRM_DECAY_START * scale))
+        decay_steps = round(NVIDIA_DLRM_DECAY_STEPS * scale)
         for vr in (False, True):
             name = "vr_sgd" if vr else "sgd"
             header = [
@@ -302,10 +337,14 @@ def dlrm_configs(out):
                 f"VRGD paper Table 10, row '{label}': warm-up {warmup_epochs:g} epochs, "
                 f"LR 2^{math.log2(lr):g}; test AUC {auc_vr if vr else auc_sgd}.",
                 "",
-                "From the paper's text: one epoch, linear warm-up, polynomial decay (NVIDIA's",
-                "DLRM set-up). Left open, chosen here: the decay starts after warm-up and",
-                "falls to 0 with power 2 (MLPerf DLRM's decay power); plain SGD, no momentum",
-                "(Algorithm 1); 8 GPUs (the paper's k >= 8).",
+                "From the paper's text: one epoch, linear warm-up, polynomial decay, NVIDIA's",
+                "DLRM defaults otherwise: at batch 64k the peak holds until step 48,000,",
+                "then decays with power 2 over 24,000 steps (to 0 only after the epoch's",
+                "end); here the same fractions of the epoch: decay from update",
+                f"{decay_start} over {decay_steps} updates (never before the warm-up ends).",
+                "Left open, chosen here: plain SGD, no momentum (Algorithm 1); 8 GPUs",
+                "(the paper's k >= 8).",
+                *(["", *BETA_3_NOTE] if vr else []),
             ]
             cfg = {
                 "task": {"model": {"type": "dlrm"}, "train_data": {"global_batch_size": batch}},
@@ -317,10 +356,10 @@ def dlrm_configs(out):
                             "type": "polynomial",
                             "polynomial": {
                                 "initial_learning_rate": round(lr, 6),
-                                "decay_steps": steps - warmup,
+                                "decay_steps": decay_steps,
                                 "end_learning_rate": 0.0,
                                 "power": 2.0,
-                                "offset": warmup,
+                                "offset": decay_start,
                             },
                         },
                         "warmup": _warmup(warmup),
@@ -359,6 +398,11 @@ def cifar_configs(out):
                     "warm-up, label smoothing and cosine decay to 0. Left open, chosen here:",
                     f"{CIFAR_EPOCHS} epochs (that recipe's length), L2 2e-4 in the loss (the",
                     "recipe's) and no optimizer decay, label smoothing 0.1, 8 GPUs (k >= 8).",
+                    "",
+                    "resnet.model_id 56 extends Model Garden's ResNet spec (ImageNet depths):",
+                    "depths 6n + 2 build the CIFAR ResNet of He et al. (2016), three stages of",
+                    "n basic blocks (tf_vrgd.experiments.resnet.cifar_resnet).",
+                    *(["", *BETA_3_NOTE] if vr and name in ("momentum", "lars") else []),
                 ]
                 kind, opt_fields = fields[name]
                 cfg = {

@@ -347,9 +347,21 @@ def test_paper_configs_carry_the_tables_values():
     # Spot checks against the paper's tables (values typed from the PDF).
     bert = config.load(os.path.join(ROOT, "configs/paper/bert_large_vr_lamb_64k-32k_phase2.yaml"))
     block = bert["trainer"]["optimizer_config"]
-    assert block["optimizer"]["vr_lamb"]["gradient_accumulation_steps"] == 32
+    # k = 32 samples per update: 8 replicas x 4 micro-steps.
+    assert block["optimizer"]["vr_lamb"]["gradient_accumulation_steps"] == 4
+    assert bert["runtime"]["num_gpus"] == 8
     assert block["learning_rate"]["polynomial"]["initial_learning_rate"] == 0.0045
     assert block["warmup"]["linear"]["warmup_steps"] == 200
+    # The last 10% of Table 8's 8599 steps, at sequence length 512.
+    assert bert["trainer"]["train_steps"] == 860
+    assert bert["task"]["train_data"]["seq_length"] == 512
+    k12 = config.load(os.path.join(ROOT, "configs/paper/bert_large_vr_lamb_96k_phase1.yaml"))
+    fields = k12["trainer"]["optimizer_config"]["optimizer"]["vr_lamb"]
+    assert k12["runtime"]["num_gpus"] * fields["gradient_accumulation_steps"] == 12
+    # DLRM at 64k: NVIDIA's schedule, peak until 48,000, decay over 24,000.
+    dlrm = config.load(os.path.join(ROOT, "configs/paper/dlrm_sgd_64k.yaml"))
+    decay = dlrm["trainer"]["optimizer_config"]["learning_rate"]["polynomial"]
+    assert (decay["offset"], decay["decay_steps"]) == (48000, 24000)
     imagenet = config.optimizer_from_config(
         os.path.join(ROOT, "configs/paper/imagenet_resnet50_vr_lars_16k.yaml")
     )
