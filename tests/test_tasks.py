@@ -283,6 +283,33 @@ def _weights(path):
     return arrays
 
 
+def test_init_checkpoint_starts_from_the_given_weights(tmp_path):
+    """BERT's phase 2 starts from phase 1's weights: task.init_checkpoint
+    loads them before the first update (0 updates of change at LR 0)."""
+    config, overrides, _ = TASK_RUNS["bert"]
+    first = tmp_path / "phase1"
+    _train(config, first, overrides, "--train-steps", "2", "--synthetic")
+    weights = first / "vr_lamb" / "final.weights.h5"
+    second = tmp_path / "phase2"
+    rate = "trainer.optimizer_config.learning_rate.polynomial.initial_learning_rate"
+    _train(
+        "bert_large_vr_lamb_32k_phase2.yaml",
+        second,
+        {**overrides, rate: 0.0, "task.init_checkpoint": str(weights)},
+        "--train-steps",
+        "1",
+        "--synthetic",
+        "--seed",
+        "1",  # another initialisation than phase 1's: only the loaded weights match
+    )
+    before, after = _weights(weights), _weights(second / "vr_lamb" / "final.weights.h5")
+    # The model's weights (phase 2's optimizer has slots of its own).
+    before = {k: v for k, v in before.items() if not k.startswith("optimizer")}
+    assert before and before.keys() <= after.keys()
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+
+
 @pytest.mark.parametrize("kind", TASK_RUNS)
 def test_synthetic_task_loss_falls(kind, tmp_path):
     config, overrides, _ = TASK_RUNS[kind]

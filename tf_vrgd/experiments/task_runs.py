@@ -70,6 +70,12 @@ class TaskExperiment:
         self.validation_steps = int(
             get(cfg, "trainer.validation_steps", self.task.validation_steps)
         )
+        self.init_checkpoint = get(cfg, "task.init_checkpoint")
+        if self.init_checkpoint and not os.path.isfile(self.init_checkpoint):
+            raise FileNotFoundError(
+                f"task.init_checkpoint {self.init_checkpoint!r} is not a file (a "
+                "`.weights.h5` written by `model.save_weights`, e.g. a run's final.weights.h5)."
+            )
         # Model Garden's field: the checkpoints kept (the newest ones).
         self.max_to_keep = int(get(cfg, "trainer.max_to_keep", 1))
         if self.max_to_keep < 1:
@@ -175,6 +181,10 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose):
         if vr_optimizer is not None:
             # Read at build.
             vr_optimizer.track_gsnr_statistics = True
+        if not done and experiment.init_checkpoint:
+            # Model Garden's task.init_checkpoint: weights only (BERT's phase
+            # 2 starts from phase 1's `final.weights.h5`).
+            model.load_weights(experiment.init_checkpoint)
         if done:
             # Into the model as built here: `load_model` cannot rebuild
             # BERT's output layer tied to its token embedding.
