@@ -101,7 +101,11 @@ def experiment_for(run, args):
         # config's rate and its step counts (per update) stay as they are.
         cfg["task"]["train_data"]["global_batch_size"] = run["batch"] // accumulation
         optimizer = cfg["trainer"]["optimizer_config"]["optimizer"]
-        optimizer.setdefault(name, {})["gradient_accumulation_steps"] = accumulation
+        kind = optimizer["type"]  # vr_momentum's type is vr_sgd
+        optimizer[kind] = {
+            **(optimizer.get(kind) or {}),
+            "gradient_accumulation_steps": accumulation,
+        }
     # A base takes the whole batch in one step: the same update as
     # accumulating it (the CNN has no batch statistics), and Keras'
     # accumulation does not run under MirroredStrategy (a collective inside
