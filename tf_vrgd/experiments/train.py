@@ -803,6 +803,13 @@ def main_task(args, cfg):
     print(f"experiment: {args.config}: {experiment.describe()} {devices}", flush=True)
     if experiment.note:
         print(f"experiment: {experiment.note}", flush=True)
+    if _get(cfg, "runtime.distribution_strategy") == "multi_worker_mirrored":
+        print(
+            "experiment: the config's runtime is multi_worker_mirrored; vrgd-train runs "
+            f"MirroredStrategy on this machine, so k = {experiment.replicas} x "
+            f"{experiment.accumulation}, not the paper's (see the config's header)",
+            flush=True,
+        )
     strategy = tf.distribute.MirroredStrategy(devices)
     runs = {}
     for name, block in experiment.runs(args.compare):
