@@ -113,10 +113,12 @@ class TaskExperiment:
     def dataset(self, split, interval):
         """The input of one interval, seeded by the interval: a resumed run
         replays the order of an uninterrupted one."""
-        seed = self.seed * 100003 + interval
         if self.synthetic:
-            return None if split != "train" else self.task.synthetic_dataset(self.step_batch, seed)
-        return self.task.dataset(split, self.step_batch, seed)
+            # One batch for the whole run, as Model Garden's synthetic mode.
+            if split != "train":
+                return None
+            return self.task.synthetic_dataset(self.step_batch, self.seed)
+        return self.task.dataset(split, self.step_batch, self.seed * 100003 + interval)
 
 
 def _interval_callback(experiment, model, vr_optimizer, run_dir, records, updates):
