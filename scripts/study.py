@@ -30,7 +30,6 @@ not on the grid: its key records the twin it follows.
 """
 
 import argparse
-import json
 import math
 import os
 import statistics as stats
@@ -72,14 +71,6 @@ def key(run):
     if run.get("follows"):
         text += f"_at_{run['follows']}"
     return f"{text}_s{run['seed']}"
-
-
-def load_results(path):
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return {key(r): r for r in rows}
 
 
 def experiment_for(run, args):
@@ -308,34 +299,27 @@ def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.output, exist_ok=True)
     results_path = os.path.join(args.output, "results.jsonl")
-    results = load_results(results_path)
+    from tf_vrgd.experiments import grids
+
+    results = grids.load_results(results_path, key)
     if args.report:
         print(report(results, args))
         return 0
 
-    from tf_vrgd.experiments import train
-
-    devices = train.setup_devices(args.replicas)
-    import tensorflow as tf
-
-    from tf_vrgd.experiments import data
-
-    arrays = data.load(args.data_dir, args.cache_dir)
-    strategy = tf.distribute.MirroredStrategy(devices)
+    strategy, arrays = grids.fashion_setup(args.replicas, args.data_dir, args.cache_dir)
 
     def run_all(runs):
-        for run in runs:
-            if key(run) in results:
-                continue
-            row = run_one(run, args, strategy, arrays)
-            results[key(run)] = row
-            with open(results_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(
-                f"{key(run):<48} test {row['final_test_accuracy']:.4f} "
-                f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)",
-                flush=True,
-            )
+        grids.run_missing(
+            runs,
+            key,
+            results,
+            results_path,
+            lambda run: run_one(run, args, strategy, arrays),
+            lambda run_key, row: (
+                f"{run_key:<48} test {row['final_test_accuracy']:.4f} "
+                f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)"
+            ),
+        )
 
     parts = {"grid": grid, "seeds": seeds, "effective": effective, "samples": samples}
     for part in PARTS:

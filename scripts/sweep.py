@@ -21,7 +21,6 @@ runs plus 16 extra-seed runs. On 2 CPU cores a run takes 67-95 s at batches
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -57,14 +56,6 @@ def parse_args(argv=None):
 
 def _key(run):
     return f"{run['optimizer']}_b{run['batch']}_lr{run['lr_multiplier']:g}_s{run['seed']}"
-
-
-def load_results(path):
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return {_key(r): r for r in rows}
 
 
 def run_one(run, args, strategy, arrays):
@@ -174,34 +165,27 @@ def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.output, exist_ok=True)
     results_path = os.path.join(args.output, "results.jsonl")
-    results = load_results(results_path)
+    from tf_vrgd.experiments import grids
+
+    results = grids.load_results(results_path, _key)
     if args.report:
         print(report(results))
         return 0
 
-    from tf_vrgd.experiments import train
-
-    devices = train.setup_devices(args.replicas)
-    import tensorflow as tf
-
-    from tf_vrgd.experiments import data
-
-    arrays = data.load(args.data_dir, args.cache_dir)
-    strategy = tf.distribute.MirroredStrategy(devices)
+    strategy, arrays = grids.fashion_setup(args.replicas, args.data_dir, args.cache_dir)
 
     def run_all(runs):
-        for run in runs:
-            if _key(run) in results:
-                continue
-            row = run_one(run, args, strategy, arrays)
-            results[_key(run)] = row
-            with open(results_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(
-                f"{_key(run):<32} best test acc {row['best_test_accuracy']:.4f} "
-                f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)",
-                flush=True,
-            )
+        grids.run_missing(
+            runs,
+            _key,
+            results,
+            results_path,
+            lambda run: run_one(run, args, strategy, arrays),
+            lambda run_key, row: (
+                f"{run_key:<32} best test acc {row['best_test_accuracy']:.4f} "
+                f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)"
+            ),
+        )
 
     run_all(grid(args))
     # More seeds at the two largest batches, for each optimizer's best rate.

@@ -124,8 +124,6 @@ class TaskExperiment:
 def _interval_callback(experiment, model, vr_optimizer, run_dir, records, updates):
     import keras
 
-    from tf_vrgd import statistics
-
     class IntervalEnd(keras.callbacks.Callback):
         """Records the interval's metrics and throughput, then checkpoints."""
 
@@ -150,11 +148,7 @@ def _interval_callback(experiment, model, vr_optimizer, run_dir, records, update
                     validation, steps=experiment.validation_steps, verbose=0, return_dict=True
                 )
                 record.update({f"validation_{k}": float(v) for k, v in values.items()})
-            if vr_optimizer is not None:
-                for path, stats in vr_optimizer.gsnr_statistics().items():
-                    path = path.removeprefix(f"{model.name}/")
-                    for column, key in statistics.LOG_KEYS.items():
-                        record[f"{key}/{path}"] = stats[column]
+            record.update(train.gsnr_entries(model, vr_optimizer))
             records.append(record)
             train.write_records(run_dir, records)
             train.save_checkpoint(model, run_dir, epoch + 1, keep=experiment.max_to_keep)

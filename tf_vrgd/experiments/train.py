@@ -388,10 +388,26 @@ def save_checkpoint(model, run_dir, epochs_done, keep=1):
             os.remove(old)
 
 
+def gsnr_entries(model, vr_optimizer):
+    """`{"<log key>/<variable path>": value}` of the VR optimizer's GSNR
+    statistics since the epoch began (GSNRMonitor resets them at epoch
+    start); empty without a VR optimizer."""
+    from tf_vrgd import statistics
+
+    entries = {}
+    if vr_optimizer is None:
+        return entries
+    for path, stats in vr_optimizer.gsnr_statistics().items():
+        # A loaded model's paths lack the model-name prefix of a fresh one;
+        # keys must not change when a run resumes.
+        path = path.removeprefix(f"{model.name}/")
+        for column, key in statistics.LOG_KEYS.items():
+            entries[f"{key}/{path}"] = stats[column]
+    return entries
+
+
 def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
     import keras
-
-    from tf_vrgd import statistics
 
     class EpochEnd(keras.callbacks.Callback):
         """Evaluates, records the epoch's metrics, then checkpoints."""
@@ -417,14 +433,7 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
                 "seconds": seconds,
             }
             record.update({k: float(v) for k, v in logs.items() if k.startswith("gsnr")})
-            if vr_optimizer is not None:
-                # The epoch's averages (GSNRMonitor resets them at epoch start).
-                for path, stats in vr_optimizer.gsnr_statistics().items():
-                    # A loaded model's paths lack the model-name prefix of a
-                    # fresh one; keys must not change when a run resumes.
-                    path = path.removeprefix(f"{model.name}/")
-                    for column, key in statistics.LOG_KEYS.items():
-                        record[f"{key}/{path}"] = stats[column]
+            record.update(gsnr_entries(model, vr_optimizer))
             records.append(record)
             write_records(run_dir, records)
             # The checkpoint comes last: a run killed before it redoes this epoch.
@@ -702,6 +711,18 @@ def check_experiment_dependencies():
         )
 
 
+def prepare_output(args, experiment):
+    """Op determinism if asked; `--output` made, its settings recorded or
+    checked; every run's optimizer checked before the first trains."""
+    import tensorflow as tf
+
+    if args.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    os.makedirs(args.output, exist_ok=True)
+    check_settings(args.output, experiment.settings(args.compare), args.restart)
+    check_runs(experiment, args.compare)
+
+
 def main(argv=None):
     args = parse_args(argv)
     check_experiment_dependencies()
@@ -728,11 +749,7 @@ def main(argv=None):
 
     from tf_vrgd.experiments import data
 
-    if args.deterministic:
-        tf.config.experimental.enable_op_determinism()
-    os.makedirs(args.output, exist_ok=True)
-    check_settings(args.output, experiment.settings(args.compare), args.restart)
-    check_runs(experiment, args.compare)
+    prepare_output(args, experiment)
     print(
         f"experiment: {args.config}: {experiment.train_examples} training examples, "
         f"batch {experiment.batch_size}, {experiment.epochs} epochs "
@@ -795,11 +812,7 @@ def main_task(args, cfg):
 
     import tensorflow as tf
 
-    if args.deterministic:
-        tf.config.experimental.enable_op_determinism()
-    os.makedirs(args.output, exist_ok=True)
-    check_settings(args.output, experiment.settings(args.compare), args.restart)
-    check_runs(experiment, args.compare)
+    prepare_output(args, experiment)
     print(f"experiment: {args.config}: {experiment.describe()} {devices}", flush=True)
     if experiment.note:
         print(f"experiment: {experiment.note}", flush=True)
