@@ -761,20 +761,14 @@ def main(argv=None):
         print(f"experiment: {experiment.note}", flush=True)
     arrays = data.load(args.data_dir, args.cache_dir)
     strategy = tf.distribute.MirroredStrategy(devices)
-    runs = {}
-    for name, block in experiment.runs(args.compare):
-        print(f"\n=== {name} ===", flush=True)
-        with open(os.path.join(args.output, f"{name}.optimization.json"), "w") as f:
-            json.dump(block, f, indent=2)
-        runs[name] = train_run(
-            name, block, experiment, strategy, arrays, os.path.join(args.output, name), args.verbose
-        )
-    rows = summarize(runs, experiment)
-    table = format_table(rows)
-    with open(os.path.join(args.output, "summary.json"), "w") as f:
-        json.dump({"config": args.config, "note": experiment.note, "runs": rows}, f, indent=2)
-    with open(os.path.join(args.output, "summary.txt"), "w") as f:
-        f.write(table + "\n")
+    runs = train_each(
+        args,
+        experiment,
+        lambda name, block, run_dir: train_run(
+            name, block, experiment, strategy, arrays, run_dir, args.verbose
+        ),
+    )
+    table = write_summary(args, experiment, summarize(runs, experiment), format_table)
     plots = plot(runs, args.output)
     print(f"\nplots: {', '.join(plots)}")
     print(f"\n{table}", flush=True)
@@ -824,25 +818,44 @@ def main_task(args, cfg):
             flush=True,
         )
     strategy = tf.distribute.MirroredStrategy(devices)
+    try:
+        runs = train_each(
+            args,
+            experiment,
+            lambda name, block, run_dir: task_runs.train_task_run(
+                name, block, experiment, strategy, run_dir, args.verbose
+            ),
+        )
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"vrgd-train: {error}") from None
+    table = write_summary(
+        args, experiment, task_runs.summarize(runs, experiment), task_runs.format_table
+    )
+    print(f"\n{table}", flush=True)
+    return 0
+
+
+def train_each(args, experiment, train_one):
+    """`{run name: records}`: each run of the experiment (the config's, then
+    with --compare its twin) trained by `train_one(name, block, run_dir)`,
+    its optimization block written beside it."""
     runs = {}
     for name, block in experiment.runs(args.compare):
         print(f"\n=== {name} ===", flush=True)
         with open(os.path.join(args.output, f"{name}.optimization.json"), "w") as f:
             json.dump(block, f, indent=2)
-        try:
-            runs[name] = task_runs.train_task_run(
-                name, block, experiment, strategy, os.path.join(args.output, name), args.verbose
-            )
-        except (ValueError, FileNotFoundError) as error:
-            raise SystemExit(f"vrgd-train: {error}") from None
-    rows = task_runs.summarize(runs, experiment)
-    table = task_runs.format_table(rows)
+        runs[name] = train_one(name, block, os.path.join(args.output, name))
+    return runs
+
+
+def write_summary(args, experiment, rows, format_rows):
+    """summary.json and summary.txt in --output; returns the table."""
+    table = format_rows(rows)
     with open(os.path.join(args.output, "summary.json"), "w") as f:
         json.dump({"config": args.config, "note": experiment.note, "runs": rows}, f, indent=2)
     with open(os.path.join(args.output, "summary.txt"), "w") as f:
         f.write(table + "\n")
-    print(f"\n{table}", flush=True)
-    return 0
+    return table
 
 
 if __name__ == "__main__":
