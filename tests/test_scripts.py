@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from tf_vrgd.experiments import grids
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,7 +42,7 @@ def test_sweep_reports_the_best_rate_and_its_seeds(tmp_path):
     ]
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    results = sweep.load_results(str(path))
+    results = grids.load_results(str(path), sweep._key)
     assert len(results) == 5
     best = sweep.best_rows(results)
     assert best[("lamb", 8192)]["lr_multiplier"] == 1.0
@@ -55,6 +57,62 @@ def test_sweep_reports_the_best_rate_and_its_seeds(tmp_path):
     grid = sweep.grid(args)
     assert len(grid) == 2 * 2 * 2  # batches x {adam, vr_adam} x rates
     assert {sweep._key(r) for r in grid} >= {"vr_adam_b8192_lr2_s0", "adam_b256_lr1_s0"}
+
+
+def _study_row(optimizer, batch, multiplier, seed, accuracy, k=8, scale=None, **extra):
+    row = {
+        "optimizer": optimizer,
+        "batch": batch,
+        "k": k,
+        "lr_multiplier": multiplier,
+        "seed": seed,
+        "final_test_accuracy": accuracy,
+        "final_train_accuracy": accuracy + 0.01,
+        "generalization_gap": 0.01,
+        "diverged": False,
+        **extra,
+    }
+    if scale is not None:
+        row.update(mean_gsnr_scale=scale, mean_gsnr_at_gamma=0.5, mean_gsnr_at_one=0.1)
+    return row
+
+
+def test_study_parts_follow_the_grid(tmp_path):
+    study = _script("study")
+    args = study.parse_args(["--batches", "4096", "--pairs", "momentum"])
+    grid = study.grid({}, args)
+    assert len(grid) == 2 * 6  # {momentum, vr_momentum} x rates
+    rows = [
+        _study_row("momentum", 4096, 0.5, 0, 0.83),
+        _study_row("momentum", 4096, 1.0, 0, 0.82),
+        _study_row("momentum", 4096, 2.0, 0, float("nan"), diverged=True),
+        _study_row("vr_momentum", 4096, 0.5, 0, 0.84, scale=0.5),
+        _study_row("vr_momentum", 4096, 1.0, 0, 0.86, scale=0.375),
+    ]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = grids.load_results(str(path), study.key)
+    best = study.best_grid_rows(results, args)
+    assert best[("momentum", 4096)]["lr_multiplier"] == 0.5
+    assert best[("vr_momentum", 4096)]["lr_multiplier"] == 1.0
+    assert {r["seed"] for r in study.seeds(results, args)} == {1}
+    # The base at the twin's best rate x its mean applied scale, 2 seeds.
+    effective = study.effective(results, args)
+    assert [(r["optimizer"], r["lr_multiplier"], r["seed"]) for r in effective] == [
+        ("momentum", 0.375, 0),
+        ("momentum", 0.375, 1),
+    ]
+    assert effective[0]["follows"] == "vr_momentum_b4096_k8_lr1_s0"
+    samples = study.samples(results, args)
+    assert [r["k"] for r in samples] == [4, 8, 16, 32]
+    assert all(r["lr_multiplier"] == 1.0 for r in samples)
+    # k = replicas x accumulation, at the same global batch per update.
+    experiment = study.experiment_for(samples[3], args)
+    assert experiment.batch_size == 4096 // 8
+    fields = experiment.block["optimizer"]["vr_sgd"]
+    assert fields["gradient_accumulation_steps"] == 8
+    table = study.report(results, args)
+    assert "86.00*" in table and "scale 0.375" in table
 
 
 def test_linear_regression_steps_to_target():
