@@ -35,6 +35,8 @@ import os
 import statistics as stats
 import sys
 
+import numpy as np
+
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -63,6 +65,9 @@ def parse_args(argv=None):
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--report", action="store_true", help="print the tables and exit")
+    parser.add_argument(
+        "--plots", default=None, help="with --report: write the study's PNG plots to this folder"
+    )
     return parser.parse_args(argv)
 
 
@@ -295,6 +300,94 @@ def _summary_line(label, rows):
     return text
 
 
+def plot(results, args, folder):
+    """rates.png (final test accuracy against the rate, per batch),
+    scale.png (the twins' applied scale and fraction at gamma per epoch, at
+    their best rates) and samples.png (test accuracy against k)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(folder, exist_ok=True)
+    k = args.replicas * args.accumulation
+    names = [n for pair in args.pairs for n in (pair, f"vr_{pair}")]
+    paths = []
+
+    fig, axes = plt.subplots(1, len(args.batches), figsize=(6 * len(args.batches), 4))
+    for ax, batch in zip(np.atleast_1d(axes), args.batches):
+        for name in names:
+            points = sorted(
+                (r["lr_multiplier"], r["final_test_accuracy"])
+                for r in results.values()
+                if (r["optimizer"], r["batch"], r["k"], r["seed"]) == (name, batch, k, 0)
+                and not r.get("follows")
+            )
+            if points:
+                ax.plot(*zip(*points), "o-" if name.startswith("vr_") else "s--", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("learning-rate multiplier")
+        ax.set_ylabel("final test accuracy")
+        ax.set_ylim(0.7, 0.92)
+        ax.set_title(f"batch {batch}, {args.epochs} epochs, k = {k}")
+        ax.grid(alpha=0.3)
+    paths.append(_save(fig, folder, "rates.png"))
+
+    best = best_grid_rows(results, args)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for (name, batch), row in sorted(best.items()):
+        if not name.startswith("vr_"):
+            continue
+        metrics = os.path.join(args.output, "runs", key(row), "metrics.jsonl")
+        if not os.path.exists(metrics):
+            continue
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f]
+        epochs = [r["epoch"] + 1 for r in records]
+        label = f"{name} b{batch} x{row['lr_multiplier']:g}"
+        axes[0].plot(epochs, [r["gsnr_scale"] for r in records], label=label)
+        axes[1].plot(epochs, [r["gsnr_at_gamma"] for r in records], label=label)
+    axes[0].set_ylabel("mean applied scale (effective rate multiplier)")
+    axes[1].set_ylabel("fraction of elements at gamma")
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    paths.append(_save(fig, folder, "scale.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    batch = args.samples_batch or max(args.batches)
+    for name in names:
+        if not name.startswith("vr_") or (name, batch) not in best:
+            continue
+        rate = best[(name, batch)]["lr_multiplier"]
+        points = sorted(
+            (r["k"], r["final_test_accuracy"])
+            for r in results.values()
+            if (r["optimizer"], r["batch"], r["lr_multiplier"], r["seed"]) == (name, batch, rate, 0)
+            and not r.get("follows")
+        )
+        if points:
+            ax.plot(*zip(*points), "o-", label=f"{name} x{rate:g}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k (gradient samples per update)")
+    ax.set_ylabel("final test accuracy")
+    ax.set_title(f"batch {batch}: the same updates, k samples each")
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, folder, "samples.png"))
+    return paths
+
+
+def _save(fig, folder, name):
+    for ax in fig.axes:
+        if ax.get_legend_handles_labels()[0]:
+        path = os.path.join(folder, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.output, exist_ok=True)
@@ -304,6 +397,8 @@ def main(argv=None):
     results = grids.load_results(results_path, key)
     if args.report:
         print(report(results, args))
+        if args.plots:
+            print("plots:", ", ".join(plot(results, args, args.plots)))
         return 0
 
     strategy, arrays = grids.fashion_setup(args.replicas, args.data_dir, args.cache_dir)
