@@ -382,7 +382,8 @@ def plot(results, args, folder):
 def _save(fig, folder, name):
     for ax in fig.axes:
         if ax.get_legend_handles_labels()[0]:
-        path = os.path.join(folder, name)
+            ax.legend()
+    path = os.path.join(folder, name)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     return path
