@@ -1,0 +1,107 @@
+"""Starts training every experiment of configs/paper, in one process: each
+task at a tiny size (`TINY`), its config's optimizer exactly as the file
+gives it (type, fields, accumulation, schedule), on `--synthetic` input,
+for `--updates` updates under `--replicas` replicas. Prints one line per
+file and exits non-zero if any fails to train or gives a non-finite loss.
+
+    python scripts/check_paper_configs.py              # all files, 2 replicas
+    python scripts/check_paper_configs.py --match dlrm
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER = os.path.join(ROOT, "configs", "paper")
+TINY = {
+    "bert": {
+        "task.model.encoder.bert.num_layers": 1,
+        "task.model.encoder.bert.hidden_size": 16,
+        "task.model.encoder.bert.num_attention_heads": 2,
+        "task.model.encoder.bert.intermediate_size": 32,
+        "task.model.encoder.bert.vocab_size": 100,
+        "task.train_data.seq_length": 8,
+        "task.train_data.max_predictions_per_seq": 2,
+    },
+    "resnet": {"task.model.input_size": [32, 32, 3]},
+    "dlrm": {
+        "task.model.embedding_dim": 4,
+        "task.model.vocab_sizes": [20] * 26,
+        "task.model.bottom_mlp": [8, 4],
+        "task.model.top_mlp": [8, 1],
+    },
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--updates", type=int, default=2)
+    parser.add_argument("--match", default="", help="only files whose name contains this")
+    args = parser.parse_args(argv)
+
+    from tf_vrgd.experiments import train
+
+    devices = train.setup_devices(args.replicas)
+    import keras
+    import tensorflow as tf
+
+    from tf_vrgd import config
+    from tf_vrgd.experiments import task_runs
+
+    strategy = tf.distribute.MirroredStrategy(devices)
+    failures = 0
+    for name in sorted(os.listdir(PAPER)):
+        if args.match not in name:
+            continue
+        cfg = config.load(os.path.join(PAPER, name))
+        kind = cfg["task"]["model"]["type"]
+        overrides = dict(TINY[kind])
+        if kind == "resnet" and cfg["task"]["model"]["resnet"]["model_id"] != 50:
+            overrides = {"task.model.resnet.model_id": 20}  # the smallest CIFAR ResNet
+        block = config.optimization_block(cfg)
+        fields = block["optimizer"][block["optimizer"]["type"]] or {}
+        # The smallest batch that splits into the file's micro-steps and replicas.
+        steps = int(fields.get("gradient_accumulation_steps", 1) or 1)
+        overrides["task.train_data.global_batch_size"] = 2 * steps * args.replicas
+        cfg = train.apply_overrides(cfg, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+        start = time.perf_counter()
+        try:
+            keras.backend.clear_session()
+            experiment = task_runs.TaskExperiment(
+                cfg, train_steps=args.updates, replicas=args.replicas, synthetic=True
+            )
+            with strategy.scope():
+                model = experiment.task.build_model()
+                model.compile(
+                    optimizer=config.optimizer_from_config(experiment.block),
+                    **experiment.task.compile_args(),
+                )
+            history = model.fit(
+                experiment.dataset("train", 0),
+                steps_per_epoch=args.updates * experiment.accumulation,
+                epochs=1,
+                verbose=0,
+            )
+            loss = history.history["loss"][-1]
+            updates = int(model.optimizer.iterations.numpy())
+            ok = math.isfinite(loss) and updates == args.updates
+            detail = f"loss {loss:.4g}, {updates} updates of {experiment.accumulation} step(s)"
+        except Exception as error:  # reported per file, then the run goes on
+            ok, detail = False, f"{type(error).__name__}: {error}"[:300]
+        failures += not ok
+        seconds = time.perf_counter() - start
+        print(f"{'ok  ' if ok else 'FAIL'} {name:<48} {seconds:5.1f} s  {detail}", flush=True)
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
