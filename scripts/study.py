@@ -10,7 +10,9 @@ same number of epochs (default 30) with the config's schedule (warm-up,
 cosine decay) stretched to it, in four parts:
 
 1. `grid`: each optimizer at rate multipliers 0.125 to 4 of the config's
-   square-root-scaled rate, seed 0.
+   square-root-scaled rate, seed 0. Where a best rate sits at the grid's
+   edge, widen it for that pair (`--pairs adam --lr-multipliers 8 16
+   --parts grid`); tables and best rates take every grid rate run.
 2. `seeds`: each optimizer's best rate of part 1 again with seed 1.
 3. `effective`: each base at its twin's effective rate, the twin's best
    rate x the twin's mean applied GSNR scale over its run (the
@@ -157,6 +159,20 @@ def grid(results, args):
     ]
 
 
+def grid_multipliers(results, args):
+    """The rate multipliers of the grid: --lr-multipliers, and those of
+    grid runs added with other --lr-multipliers (a grid widened where an
+    optimizer's best rate was at its edge)."""
+    k = args.replicas * args.accumulation
+    found = {
+        r["lr_multiplier"]
+        for r in results.values()
+        if not r["seed"] and r["k"] == k and not r.get("follows")
+    }
+    # The effective-rate runs are not grid points; the k runs have another k.
+    return sorted(set(args.lr_multipliers) | found)
+
+
 def best_grid_rows(results, args):
     """{(optimizer, batch): the seed-0 grid row of highest final test
     accuracy}."""
@@ -165,7 +181,7 @@ def best_grid_rows(results, args):
     for row in results.values():
         if row["seed"] or row["k"] != k or row.get("follows"):
             continue
-        if row["lr_multiplier"] not in args.lr_multipliers:
+        if row["lr_multiplier"] not in grid_multipliers(results, args):
             continue
         slot = (row["optimizer"], row["batch"])
         if slot not in best or _score(row) > _score(best[slot]):
@@ -234,11 +250,12 @@ def report(results, args):
     ]
     best = best_grid_rows(results, args)
     for batch in args.batches:
-        header = f"batch {batch:<6}" + "".join(f"{m:>9g}" for m in args.lr_multipliers)
+        multipliers = grid_multipliers(results, args)
+        header = f"batch {batch:<6}" + "".join(f"{m:>9g}" for m in multipliers)
         lines += [header, "-" * len(header)]
         for name in names:
             cells = []
-            for m in args.lr_multipliers:
+            for m in multipliers:
                 row = results.get(
                     key({"optimizer": name, "batch": batch, "k": k, "lr_multiplier": m, "seed": 0})
                 )
