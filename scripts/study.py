@@ -175,13 +175,13 @@ def grid_multipliers(results, args):
 
 def best_grid_rows(results, args):
     """{(optimizer, batch): the seed-0 grid row of highest final test
-    accuracy}."""
+    accuracy, over every grid rate run}, for the batches of `args`."""
     k = args.replicas * args.accumulation
     best = {}
     for row in results.values():
         if row["seed"] or row["k"] != k or row.get("follows"):
             continue
-        if row["lr_multiplier"] not in grid_multipliers(results, args):
+        if row["batch"] not in args.batches:
             continue
         slot = (row["optimizer"], row["batch"])
         if slot not in best or _score(row) > _score(best[slot]):
