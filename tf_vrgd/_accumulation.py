@@ -90,8 +90,7 @@ class ReplicaAccumulationMixin:
         apply_moving_average(self, replica_context)
 
     def _is_update_step(self):
-        # `_iterations` counts micro-steps and is incremented after `apply`.
-        return tf.equal((self._iterations + 1) % self.gradient_accumulation_steps, 0)
+        return is_update_step(self)
 
     @staticmethod
     def _zero(slots):
@@ -99,7 +98,7 @@ class ReplicaAccumulationMixin:
             slot.assign(tf.zeros(slot.shape, slot.dtype))
 
     def _accumulated_update(self, distribution, means, variables):
-        tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+        tf_variables = [tf_variable(v) for v in variables]
 
         def update():
             reduced = distribution.extended.batch_reduce_to(
@@ -112,7 +111,7 @@ class ReplicaAccumulationMixin:
                     if self._use_weight_decay(variable):
                         distribution.extended.update(
                             tf_variable,
-                            _decay,
+                            decay,
                             args=(self.weight_decay, learning_rate),
                             group=False,
                         )
@@ -123,7 +122,20 @@ class ReplicaAccumulationMixin:
         tf.cond(self._is_update_step(), update, lambda: None)
 
 
-def _decay(variable, weight_decay, learning_rate):
+def is_update_step(optimizer):
+    """Whether this `apply` ends an accumulation: `_iterations` counts
+    micro-steps and is incremented after `apply`, so replica and
+    cross-replica code read the same value."""
+    return tf.equal((optimizer._iterations + 1) % optimizer.gradient_accumulation_steps, 0)
+
+
+def tf_variable(variable):
+    """The `tf.Variable` behind a Keras variable (a plain one is itself)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def decay(variable, weight_decay, learning_rate):
+    """Keras' decoupled weight decay: ``w -= w * weight_decay * lr``."""
     variable.assign_sub(
         variable * tf.cast(weight_decay, variable.dtype) * tf.cast(learning_rate, variable.dtype)
     )

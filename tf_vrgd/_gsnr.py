@@ -32,7 +32,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import _validation, functional, statistics
-from tf_vrgd._accumulation import apply_moving_average
+from tf_vrgd._accumulation import apply_moving_average, is_update_step
+from tf_vrgd._accumulation import decay as _decay
+from tf_vrgd._accumulation import tf_variable as _tf_variable
 
 # Variables of at most this many elements (64 KiB in float32) are updated
 # together by `GSNRMixin._packed_update` instead of one by one in the XLA
@@ -272,9 +274,7 @@ class GSNRMixin:
     # -- cross-replica context ------------------------------------------------
 
     def _is_update_step(self):
-        # `_iterations` counts micro-steps and is incremented after the
-        # update, so replica and cross-replica code read the same value.
-        return tf.equal((self._iterations + 1) % self.gradient_accumulation_steps, 0)
+        return is_update_step(self)
 
     def _cross_replica_update(self, distribution, sums, squares, samples, variables, indices):
         tf_variables = [_tf_variable(v) for v in variables]
@@ -460,11 +460,7 @@ class GSNRMixin:
         """Keras' decoupled weight decay (if `decays`, applied as Keras does),
         then the base rule's `update_step` on the scaled gradient."""
         if decays:
-            variable.assign_sub(
-                variable
-                * tf.cast(self.weight_decay, variable.dtype)
-                * tf.cast(learning_rate, variable.dtype)
-            )
+            _decay(variable, self.weight_decay, learning_rate)
         self.update_step(tf.cast(scaled_gradient, variable.dtype), variable, learning_rate)
 
     # -- diagnostics ------------------------------------------------------------
@@ -563,11 +559,6 @@ def variable_path(variable):
 def variable_size(variable):
     """A variable's number of elements (its shape is fully defined)."""
     return int(np.prod(variable.shape, dtype=np.int64))
-
-
-def _tf_variable(variable):
-    """The `tf.Variable` behind a Keras variable (a plain one is itself)."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 class _Untracked:
