@@ -133,6 +133,61 @@ def test_criteo_lines_parse_to_log_dense_and_hashed_categories(tmp_path):
     assert sparse.min() >= 0 and sparse.max() < 40
 
 
+def _training_dataset(kind, tmp_path):
+    """A task's training dataset over 12 written examples (CIFAR: 10), 4 a batch."""
+    if kind == "bert":
+        path = str(tmp_path / "bert.tfrecord")
+        task_data.write_bert_records(path, 12, 16, 4, 200)
+        name, overrides = "bert_large_vr_lamb_32k_phase1.yaml", TINY_BERT
+    elif kind == "cifar":
+        path = str(tmp_path)
+        task_data.write_cifar(path, 2)  # 5 files x 2
+        name, overrides = "cifar10_resnet56_momentum_1k.yaml", {}
+    elif kind == "imagenet":
+        path = str(tmp_path / "train.tfrecord")
+        task_data.write_imagenet_records(path, 12, size=(48, 64))
+        name, overrides = (
+            "imagenet_resnet50_vr_lars_32k.yaml",
+            {"task.model.input_size": [24, 24, 3]},
+        )
+    else:
+        path = str(tmp_path / "day_0.tsv")
+        task_data.write_criteo(path, 12)
+        name, overrides = "dlrm_sgd_64k.yaml", TINY_DLRM
+    task = tasks.from_config(_cfg(name, {**overrides, "task.train_data.input_path": path}))
+    return lambda seed: task.dataset("train", 4, seed=seed)
+
+
+def _flat(batch):
+    return [np.asarray(t) for t in tf.nest.flatten(batch)]
+
+
+@pytest.mark.parametrize("kind", ["bert", "cifar", "imagenet", "dlrm"])
+def test_training_stream_is_the_same_in_every_iterator(kind, tmp_path):
+    """Keras' fit reads a batch from one iterator to build its metrics, then
+    trains from a second: both must read the stream the seed fixes, however
+    far ahead the first read (here past the end of the first pass), or a
+    resumed run sees other examples, crops and flips than the uninterrupted
+    one. Each pass is reshuffled; another seed gives another stream."""
+    dataset = _training_dataset(kind, tmp_path)
+    ds = dataset(seed=3)
+    first = iter(ds)
+    ahead = [_flat(next(first)) for _ in range(7)]
+    second = [_flat(b) for b in ds.take(7)]
+    for a, b in zip(ahead, second, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+    # The second pass (batches 3..5) is another order of the same examples.
+    key = 0 if kind != "dlrm" else 1  # an array that tells the examples apart
+    one = np.concatenate([b[key] for b in ahead[:3]]).reshape(12, -1)
+    two = np.concatenate([b[key] for b in ahead[3:6]]).reshape(12, -1)
+    if kind not in ("cifar", "imagenet"):  # images: crops differ between passes
+        assert sorted(map(tuple, one.tolist())) == sorted(map(tuple, two.tolist()))
+    assert not np.array_equal(one, two)
+    other = _flat(next(iter(dataset(seed=4))))
+    assert any(not np.array_equal(x, y) for x, y in zip(ahead[0], other, strict=True))
+
+
 def test_overrides_set_nested_fields_as_yaml():
     cfg = train.apply_overrides(
         {"task": {"model": {"type": "dlrm"}}},

@@ -35,6 +35,27 @@ def _get(cfg, path, default=None):
     return default if cfg is None else cfg
 
 
+SHUFFLE_BUFFER = 10000
+
+
+def _reshuffled_passes(records, seed):
+    """`records` repeated without end, each pass shuffled (through a buffer
+    of `SHUFFLE_BUFFER`) in a new order, all fixed by `seed`.
+
+    Every iterator of the result reads the same stream, however many are
+    made and however far ahead they read. `records.shuffle(...,
+    reshuffle_each_iteration=True).repeat()` alone does not promise that:
+    its passes draw their orders from one generator shared by all iterators
+    of the dataset, and Keras' `fit` makes two (one batch to build the
+    metrics, then the training one), so the second one's orders depended on
+    how far the first had read ahead. Made inside `flat_map`, the shuffle
+    and its generator are made anew for each iterator.
+    """
+    return tf.data.Dataset.range(1).flat_map(
+        lambda _: records.shuffle(SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=True).repeat()
+    )
+
+
 def _files(pattern):
     """The files of a Model Garden `input_path`: comma-separated globs."""
     if not pattern:
@@ -213,7 +234,7 @@ class BertPretraining(Task):
         files = _files(path)
         ds = tf.data.TFRecordDataset(files)
         if split == "train":
-            ds = ds.shuffle(10000, seed=seed, reshuffle_each_iteration=True).repeat()
+            ds = _reshuffled_passes(ds, seed)
         ds = ds.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE)
         return ds.batch(batch_size, drop_remainder=self._drop_remainder(split)).prefetch(
             tf.data.AUTOTUNE
@@ -321,13 +342,24 @@ class ImageClassification(Task):
             ds = tf.data.TFRecordDataset(_files(path)).map(
                 self._decode_imagenet, num_parallel_calls=tf.data.AUTOTUNE
             )
-        if training:
-            ds = ds.shuffle(10000, seed=seed, reshuffle_each_iteration=True).repeat()
         preprocess = self._preprocess_cifar if self.cifar else self._preprocess_imagenet
-        ds = ds.map(
-            lambda image, label: self._one_hot(preprocess(image, training), label),
-            num_parallel_calls=tf.data.AUTOTUNE,
-        )
+        if training:
+            # Example i of the stream is cropped and flipped by the seed
+            # (seed, i): the same augmentation in every iterator and in a
+            # resumed run, whatever order the parallel map runs in.
+            ds = _reshuffled_passes(ds, seed).enumerate()
+            ds = ds.map(
+                lambda index, example: self._one_hot(
+                    preprocess(example[0], tf.stack([tf.constant(seed, tf.int64), index])),
+                    example[1],
+                ),
+                num_parallel_calls=tf.data.AUTOTUNE,
+            )
+        else:
+            ds = ds.map(
+                lambda image, label: self._one_hot(preprocess(image, None), label),
+                num_parallel_calls=tf.data.AUTOTUNE,
+            )
         return ds.batch(batch_size, drop_remainder=self._drop_remainder(split)).prefetch(
             tf.data.AUTOTUNE
         )
@@ -345,16 +377,20 @@ class ImageClassification(Task):
         )
         return features["image/encoded"], tf.cast(features["image/class/label"], tf.int32)
 
-    def _preprocess_imagenet(self, encoded, training):
+    def _preprocess_imagenet(self, encoded, seed):
         """Inception-style crop (8% to 100% of the area, aspect 3/4 to 4/3)
-        and flip for training; the central 87.5% for evaluation; resized to
-        the input size and standardised per channel."""
+        and flip for training (`seed`: the example's augmentation seed); the
+        central 87.5% for evaluation (`seed` None); resized to the input size
+        and standardised per channel."""
         height, width = self.input_size[:2]
         shape = tf.image.extract_jpeg_shape(encoded)
+        training = seed is not None
         if training:
-            begin, size, _ = tf.image.sample_distorted_bounding_box(
+            crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+            begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
                 shape,
                 bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]),
+                seed=crop_seed,
                 min_object_covered=0.1,
                 aspect_ratio_range=(3 / 4, 4 / 3),
                 area_range=(0.08, 1.0),
@@ -368,7 +404,7 @@ class ImageClassification(Task):
         image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
         image = tf.image.resize(image, [height, width])
         if training:
-            image = tf.image.random_flip_left_right(image)
+            image = tf.image.stateless_random_flip_left_right(image, flip_seed)
         return (image - IMAGENET_MEAN) / IMAGENET_STD
 
     # CIFAR-10.
@@ -401,14 +437,16 @@ class ImageClassification(Task):
             f"{path} has neither CIFAR-10's binary batches ({expected}) nor its python batches."
         )
 
-    def _preprocess_cifar(self, image, training):
-        """4-pixel padding, random 32x32 crop and flip for training;
-        standardised per channel."""
+    def _preprocess_cifar(self, image, seed):
+        """4-pixel padding, random 32x32 crop and flip for training (`seed`:
+        the example's augmentation seed; None for evaluation); standardised
+        per channel."""
         image = tf.cast(image, tf.float32)
-        if training:
+        if seed is not None:
+            crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
             image = tf.image.pad_to_bounding_box(image, 4, 4, 40, 40)
-            image = tf.image.random_crop(image, [32, 32, 3])
-            image = tf.image.random_flip_left_right(image)
+            image = tf.image.stateless_random_crop(image, [32, 32, 3], crop_seed)
+            image = tf.image.stateless_random_flip_left_right(image, flip_seed)
         return (image - CIFAR_MEAN) / CIFAR_STD
 
 
@@ -501,7 +539,7 @@ class Dlrm(Task):
             return None
         ds = tf.data.TextLineDataset(_files(path))
         if split == "train":
-            ds = ds.shuffle(10000, seed=seed, reshuffle_each_iteration=True).repeat()
+            ds = _reshuffled_passes(ds, seed)
         ds = ds.batch(batch_size, drop_remainder=self._drop_remainder(split))
         return ds.map(self._parse_lines, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
             tf.data.AUTOTUNE
