@@ -188,6 +188,32 @@ def test_training_stream_is_the_same_in_every_iterator(kind, tmp_path):
     assert any(not np.array_equal(x, y) for x, y in zip(ahead[0], other, strict=True))
 
 
+@pytest.mark.parametrize("files", [1, 2])
+def test_input_pipelines_of_workers_split_the_records(files, tmp_path):
+    """Each worker of a multi-worker run reads its own part: every n-th
+    file where there are files enough, else every n-th record; together
+    the parts hold each record once."""
+    lines = []
+    for i in range(files):
+        path = str(tmp_path / f"day_{i}.tsv")
+        task_data.write_criteo(path, 6, seed=i)
+        with open(path) as f:
+            lines += f.read().splitlines()
+    pattern = str(tmp_path / "day_*.tsv")
+    task = tasks.from_config(
+        _cfg("dlrm_sgd_64k.yaml", {**TINY_DLRM, "task.validation_data.input_path": pattern})
+    )
+    parts = []
+    for index in range(2):
+        ds = task.dataset("validation", 1, seed=0, shard=(2, index))
+        parts.append([float(labels[0, 0]) for _, labels in ds])
+    written = [float(line.split("\t")[0]) for line in lines]
+    if files == 2:  # a file each
+        assert parts == [written[:6], written[6:]]
+    else:  # every other record
+        assert parts == [written[0::2], written[1::2]]
+
+
 def test_overrides_set_nested_fields_as_yaml():
     cfg = train.apply_overrides(
         {"task": {"model": {"type": "dlrm"}}},
@@ -323,6 +349,107 @@ def test_task_trains_from_files_with_its_twin_and_resumes(kind, tmp_path):
     assert resumed.keys() == uninterrupted.keys()
     for key in uninterrupted:
         np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-4, atol=1e-6)
+
+
+def _train_on_workers(config, output, overrides, *extra, workers=2):
+    """`vrgd-train` as `workers` processes with TF_CONFIG on 127.0.0.1 ports;
+    returns the chief's (worker 0's) output."""
+    from tests.test_multiworker import _free_ports
+
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(workers)]}
+    command = [sys.executable, "-m", "tf_vrgd.experiments.train", "--config"]
+    command += [os.path.join(PAPER, config), "--output", str(output), "--verbose", "0"]
+    command += ["--deterministic", *extra]
+    for key, value in overrides.items():
+        command += ["--override", f"{key}={json.dumps(value)}"]
+    processes = []
+    for index in range(workers):
+        task = {"type": "worker", "index": index}
+        env = dict(
+            os.environ,
+            TF_CONFIG=json.dumps({"cluster": cluster, "task": task}),
+            PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+        )
+        processes.append(
+            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    try:
+        outputs = [p.communicate(timeout=600)[0].decode() for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    codes = [p.returncode for p in processes]
+    assert codes == [0] * workers, "\n".join(o[-3000:] for o in outputs)
+    return outputs[0]
+
+
+@pytest.mark.parametrize(
+    "tf_config, flags, message",
+    [
+        (
+            '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {}}',
+            ["--replicas", "2"],
+            "--replicas is for one machine",
+        ),
+        (
+            '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {}}',
+            ["--restart"],
+            "must clear --output",
+        ),
+        ("not json", [], "TF_CONFIG must be JSON"),
+    ],
+)
+def test_multi_worker_flags_are_checked(monkeypatch, tmp_path, tf_config, flags, message):
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    config = os.path.join(PAPER, "dlrm_vr_sgd_64k.yaml")
+    with pytest.raises(SystemExit, match=message):
+        train.main(["--config", config, "--output", str(tmp_path), "--synthetic", *flags])
+
+
+def test_task_trains_on_two_workers_and_resumes(tmp_path):
+    """With TF_CONFIG, vrgd-train runs MultiWorkerMirroredStrategy: two
+    worker processes (one CPU replica each, so k = 2), each reading its own
+    file. The chief writes the run; the other worker's files go to a
+    scratch folder it removes. Rerun after the last checkpoint is lost,
+    both resume from the chief's checkpoint to the uninterrupted weights."""
+    config, overrides, _ = TASK_RUNS["dlrm"]
+    for i in range(2):
+        task_data.write_criteo(str(tmp_path / f"day_{i}.tsv"), 32, seed=i)
+    pattern = str(tmp_path / "day_*.tsv")
+    overrides = {
+        **overrides,
+        "task.train_data.input_path": pattern,
+        "task.validation_data.input_path": pattern,
+        "trainer.checkpoint_interval": 2,
+        "trainer.validation_steps": 1,
+        "trainer.max_to_keep": 2,
+    }
+    output = tmp_path / "run"
+    stdout = _train_on_workers(config, output, overrides, "--train-steps", "4")
+    assert "on 2 replica(s)" in stdout and "on 2 workers, this one worker 0" in stdout
+    run_dir = output / "vr_sgd"
+    records = _records(run_dir)
+    assert [r["updates"] for r in records] == [2, 4]
+    assert all(np.isfinite(r["train_loss"]) for r in records)
+    assert "validation_auc" in records[-1]
+    assert any(k.startswith("gsnr_scale/") for k in records[-1])
+    summary = json.loads((output / "summary.json").read_text())
+    assert [row["replicas"] for row in summary["runs"]] == [2]
+    assert not (output / ".workers").exists()
+
+    uninterrupted = _weights(run_dir / "final.weights.h5")
+    os.remove(run_dir / "checkpoint-epoch2.keras")
+    first = records[0]
+    stdout = _train_on_workers(config, output, overrides, "--train-steps", "4")
+    assert "[vr_sgd] resuming after interval 1" in stdout
+    records = _records(run_dir)
+    assert [r["updates"] for r in records] == [2, 4]
+    assert records[0] == first
+    resumed = _weights(run_dir / "final.weights.h5")
+    assert resumed.keys() == uninterrupted.keys()
+    for key in uninterrupted:
+        np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-7)
 
 
 def _weights(path):

@@ -120,8 +120,34 @@ class TaskExperiment:
             return self.task.synthetic_dataset(self.step_batch, self.seed)
         return self.task.dataset(split, self.step_batch, self.seed * 100003 + interval)
 
+    def input(self, strategy, split, interval):
+        """What `fit` or `evaluate` reads in one interval (None where the
+        config names no data for `split`): the dataset, whose batches Keras
+        splits over the replicas; under `MultiWorkerMirroredStrategy`, each
+        worker's own part of the input (its files, or every n-th record; its
+        own seeds) batched per replica, so that no worker reads and drops
+        the others' examples. A worker's validation part repeats: every
+        worker must take part in all `validation_steps`."""
+        import tensorflow as tf
 
-def _interval_callback(experiment, model, vr_optimizer, run_dir, records, updates):
+        if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            return self.dataset(split, interval)
+        if self.dataset(split, interval) is None:
+            return None
+
+        def per_worker(context):
+            batch = context.get_per_replica_batch_size(self.step_batch)
+            worker = context.input_pipeline_id
+            if self.synthetic:
+                return self.task.synthetic_dataset(batch, self.seed * 1009 + worker)
+            seed = (self.seed * 100003 + interval) * 1009 + worker
+            ds = self.task.dataset(split, batch, seed, (context.num_input_pipelines, worker))
+            return ds if split == "train" else ds.repeat()
+
+        return strategy.distribute_datasets_from_function(per_worker)
+
+
+def _interval_callback(experiment, strategy, model, vr_optimizer, run_dir, records, updates):
     import keras
 
     class IntervalEnd(keras.callbacks.Callback):
@@ -142,7 +168,7 @@ def _interval_callback(experiment, model, vr_optimizer, run_dir, records, update
                 "learning_rate": float(model.optimizer.learning_rate.numpy()),
             }
             record.update({f"train_{k}": float(v) for k, v in (logs or {}).items()})
-            validation = experiment.dataset("validation", epoch)
+            validation = experiment.input(strategy, "validation", epoch)
             if validation is not None:
                 values = model.evaluate(
                     validation, steps=experiment.validation_steps, verbose=0, return_dict=True
@@ -156,16 +182,23 @@ def _interval_callback(experiment, model, vr_optimizer, run_dir, records, update
     return IntervalEnd()
 
 
-def train_task_run(name, block, experiment, strategy, run_dir, verbose):
-    """Trains (or resumes) one run of a paper task; returns its records."""
+def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=None):
+    """Trains (or resumes) one run of a paper task; returns its records.
+
+    `scratch`: on the workers of a multi-worker run other than the chief, a
+    folder of their own for the files they write (every worker writes its
+    checkpoints, as saving reads variables with collectives); they resume
+    from the chief's checkpoints in `run_dir`, which all workers must see.
+    """
     import keras
 
     import tf_vrgd
     from tf_vrgd import config, find_vr_optimizer
 
-    os.makedirs(run_dir, exist_ok=True)
-    train.remove_partial_checkpoints(run_dir)
-    checkpoints = train._checkpoints(run_dir)
+    write_dir = scratch or run_dir
+    os.makedirs(write_dir, exist_ok=True)
+    train.remove_partial_checkpoints(write_dir)
+    checkpoints = train._checkpoints(run_dir) if os.path.isdir(run_dir) else {}
     done = max(checkpoints, default=0)
     with strategy.scope():
         keras.utils.set_random_seed(experiment.seed)
@@ -193,16 +226,18 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose):
     for interval in range(done, experiment.intervals):
         _reseed_random_layers(model, interval)
         updates = min(experiment.interval, experiment.train_steps - interval * experiment.interval)
-        callback = _interval_callback(experiment, model, vr_optimizer, run_dir, records, updates)
+        callback = _interval_callback(
+            experiment, strategy, model, vr_optimizer, write_dir, records, updates
+        )
         model.fit(
-            experiment.dataset("train", interval),
+            experiment.input(strategy, "train", interval),
             initial_epoch=interval,
             epochs=interval + 1,
             steps_per_epoch=updates * experiment.accumulation,
             callbacks=[*monitor, callback],
             verbose=verbose,
         )
-    model.save_weights(os.path.join(run_dir, "final.weights.h5"))
+    model.save_weights(os.path.join(write_dir, "final.weights.h5"))
     return records
 
 

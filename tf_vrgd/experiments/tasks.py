@@ -35,6 +35,18 @@ def _get(cfg, path, default=None):
     return default if cfg is None else cfg
 
 
+def _read(files, reader, shard):
+    """`reader(files)`, or with `shard = (count, index)` input pipeline
+    `index` of `count`: every count-th file from `index` where there are at
+    least `count` files, else every count-th record."""
+    if shard is None:
+        return reader(files)
+    count, index = shard
+    if len(files) >= count:
+        return reader(files[index::count])
+    return reader(files).shard(count, index)
+
+
 SHUFFLE_BUFFER = 10000
 
 
@@ -96,9 +108,15 @@ class Task:
         """One batch `(x, y[, sample_weight])` of random tensors."""
         raise NotImplementedError
 
-    def dataset(self, split, batch_size, seed):
+    def dataset(self, split, batch_size, seed, shard=None):
         """The `train` or `validation` dataset from the config's input
-        files, batched; None where the config names no files for `split`."""
+        files, batched; None where the config names no files for `split`.
+
+        `shard = (count, index)` reads input pipeline `index` of `count`
+        (one per worker of a multi-worker run): every count-th file from
+        `index` where there are at least `count` files, else every count-th
+        record.
+        """
         raise NotImplementedError
 
     def synthetic_dataset(self, batch_size, seed):
@@ -227,12 +245,11 @@ class BertPretraining(Task):
         features["next_sentence_labels"] = tf.reshape(features["next_sentence_labels"], [])
         return self._example(features)
 
-    def dataset(self, split, batch_size, seed):
+    def dataset(self, split, batch_size, seed, shard=None):
         path = _get(self._data_cfg(split), "input_path")
         if split != "train" and not path:
             return None
-        files = _files(path)
-        ds = tf.data.TFRecordDataset(files)
+        ds = _read(_files(path), tf.data.TFRecordDataset, shard)
         if split == "train":
             ds = _reshuffled_passes(ds, seed)
         ds = ds.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE)
@@ -331,15 +348,17 @@ class ImageClassification(Task):
         )
         return self._one_hot(images, labels)
 
-    def dataset(self, split, batch_size, seed):
+    def dataset(self, split, batch_size, seed, shard=None):
         path = _get(self._data_cfg(split), "input_path")
         if split != "train" and not path:
             return None
         training = split == "train"
         if self.cifar:
             ds = self._cifar(path, training)
+            if shard is not None:
+                ds = ds.shard(*shard)
         else:
-            ds = tf.data.TFRecordDataset(_files(path)).map(
+            ds = _read(_files(path), tf.data.TFRecordDataset, shard).map(
                 self._decode_imagenet, num_parallel_calls=tf.data.AUTOTUNE
             )
         preprocess = self._preprocess_cifar if self.cifar else self._preprocess_imagenet
@@ -533,11 +552,11 @@ class Dlrm(Task):
         features = {"dense_features": dense, "sparse_features": tf.cast(sparse, tf.int32)}
         return features, label
 
-    def dataset(self, split, batch_size, seed):
+    def dataset(self, split, batch_size, seed, shard=None):
         path = _get(self._data_cfg(split), "input_path")
         if split != "train" and not path:
             return None
-        ds = tf.data.TextLineDataset(_files(path))
+        ds = _read(_files(path), tf.data.TextLineDataset, shard)
         if split == "train":
             ds = _reshuffled_passes(ds, seed)
         ds = ds.batch(batch_size, drop_remainder=self._drop_remainder(split))

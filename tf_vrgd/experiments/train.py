@@ -11,9 +11,14 @@ generalization gap, GSNR statistics), `checkpoint-epoch<N>.keras`
 epoch end) and `final.weights.h5`.
 At the top of --output: `summary.json`, `summary.txt` (the table printed at
 the end) and PNG plots.
+
+The paper's tasks (BERT, ResNet, DLRM configs) train in
+`tf_vrgd.experiments.task_runs`; with `TF_CONFIG` set, on several machines
+under `MultiWorkerMirroredStrategy` (the same command on every worker).
 """
 
 import argparse
+import contextlib
 import copy
 import csv
 import json
@@ -445,10 +450,11 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
 SETTINGS_FILE = "settings.json"
 
 
-def check_settings(output, settings, restart):
-    """Records `settings` in `output`, or checks them against the ones a
-    previous start recorded there: a resume must continue the same run.
-    With `restart`, the folder's earlier results are discarded instead."""
+def check_settings(output, settings, restart, write=True):
+    """Records `settings` in `output` (if `write`), or checks them against
+    the ones a previous start recorded there: a resume must continue the
+    same run. With `restart`, the folder's earlier results are discarded
+    instead."""
     path = os.path.join(output, SETTINGS_FILE)
     if restart:
         for entry in os.listdir(output):
@@ -477,7 +483,8 @@ def check_settings(output, settings, restart):
                 "or pass --restart to discard the folder's results and start over."
             )
         return
-    _replace(path, lambda f: json.dump(settings, f, indent=2, sort_keys=True))
+    if write:
+        _replace(path, lambda f: json.dump(settings, f, indent=2, sort_keys=True))
 
 
 def _short(value):
@@ -711,15 +718,16 @@ def check_experiment_dependencies():
         )
 
 
-def prepare_output(args, experiment):
-    """Op determinism if asked; `--output` made, its settings recorded or
-    checked; every run's optimizer checked before the first trains."""
+def prepare_output(args, experiment, write=True):
+    """Op determinism if asked; `--output` made, its settings recorded
+    (`write`: by the chief of a multi-worker run only) or checked; every
+    run's optimizer checked before the first trains."""
     import tensorflow as tf
 
     if args.deterministic:
         tf.config.experimental.enable_op_determinism()
     os.makedirs(args.output, exist_ok=True)
-    check_settings(args.output, experiment.settings(args.compare), args.restart)
+    check_settings(args.output, experiment.settings(args.compare), args.restart, write)
     check_runs(experiment, args.compare)
 
 
@@ -775,6 +783,70 @@ def main(argv=None):
     return 0
 
 
+# Under --output, the folders the other workers of a multi-worker run write
+# to (removed when their runs end).
+WORKER_SCRATCH = ".workers"
+
+
+def multi_worker_cluster(args):
+    """The cluster of a multi-worker run ("2 workers"), from the `TF_CONFIG`
+    that `MultiWorkerMirroredStrategy` reads (Model Garden's way); "" on
+    one machine."""
+    spec = os.environ.get("TF_CONFIG")
+    if not spec:
+        return ""
+    try:
+        cluster = json.loads(spec)["cluster"]
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(
+            "vrgd-train: TF_CONFIG must be JSON with a 'cluster' and a 'task', as "
+            "MultiWorkerMirroredStrategy reads it."
+        ) from None
+    for flag, value in (("--replicas", args.replicas), ("--restart", args.restart)):
+        if value:
+            raise SystemExit(
+                f"vrgd-train: {flag} is for one machine. With TF_CONFIG every worker trains on "
+                "its GPUs (one replica each; a CPU-only worker is one replica)"
+                + (", and a restart must clear --output first." if flag == "--restart" else ".")
+            )
+    tasks = sum(len(addresses) for addresses in cluster.values())
+    return f"{tasks} workers"
+
+
+def multi_worker_strategy():
+    """`MultiWorkerMirroredStrategy` from `TF_CONFIG`, with a `reduce` that
+    takes what Keras' `fit` and `evaluate` pass it with more than one worker
+    (keras-team/keras#20329, #20585): a whole input batch, nested (to build
+    the metrics), as `MirroredStrategy`'s `reduce` takes it; and the
+    per-replica scalar logs with `axis=0`, which for a scalar means the mean
+    over replicas (`axis=None`)."""
+    import tensorflow as tf
+
+    class Strategy(tf.distribute.MultiWorkerMirroredStrategy):
+        def reduce(self, reduce_op, value, axis):
+            if tf.nest.is_nested(value):
+                return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
+            local = self.experimental_local_results(value)
+            if axis is not None and all(v.shape.rank == 0 for v in local):
+                axis = None
+            return super().reduce(reduce_op, value, axis)
+
+    return Strategy()
+
+
+def is_chief(strategy):
+    """Whether this process writes the run's files: always on one machine;
+    under MultiWorkerMirroredStrategy, the `chief` task, or worker 0 of a
+    cluster without one."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return True
+    if resolver.task_type == "chief":
+        return True
+    has_chief = "chief" in resolver.cluster_spec().as_dict()
+    return resolver.task_type == "worker" and resolver.task_id == 0 and not has_chief
+
+
 def main_task(args, cfg):
     """`vrgd-train` on a paper task (BERT, ResNet, DLRM)."""
     from tf_vrgd.experiments import task_runs
@@ -792,42 +864,71 @@ def main_task(args, cfg):
                 "--train-steps, and --override for its batch "
                 "(task.train_data.global_batch_size) and files (task.train_data.input_path)."
             )
+    cluster = multi_worker_cluster(args)
+    strategy = devices = None
+    if cluster:
+        import tensorflow as tf
+
+        # Before anything else starts TensorFlow's runtime.
+        strategy = multi_worker_strategy()
     try:
         experiment = task_runs.TaskExperiment(
             cfg,
             train_steps=args.train_steps,
             seed=args.seed,
-            replicas=args.replicas,
+            replicas=strategy.num_replicas_in_sync if strategy else args.replicas,
             synthetic=args.synthetic,
         )
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"vrgd-train: {error}") from None
-    devices = setup_devices(experiment.replicas)
+    if not cluster:
+        devices = setup_devices(experiment.replicas)
 
     import tensorflow as tf
 
-    prepare_output(args, experiment)
-    print(f"experiment: {args.config}: {experiment.describe()} {devices}", flush=True)
+    chief = is_chief(strategy)
+    prepare_output(args, experiment, write=chief)
+    where = devices
+    if cluster:
+        task = strategy.cluster_resolver
+        where = f"on {cluster}, this one {task.task_type} {task.task_id}"
+    print(f"experiment: {args.config}: {experiment.describe()} {where}", flush=True)
     if experiment.note:
         print(f"experiment: {experiment.note}", flush=True)
-    if _get(cfg, "runtime.distribution_strategy") == "multi_worker_mirrored":
+    if not cluster and _get(cfg, "runtime.distribution_strategy") == "multi_worker_mirrored":
         print(
-            "experiment: the config's runtime is multi_worker_mirrored; vrgd-train runs "
-            f"MirroredStrategy on this machine, so k = {experiment.replicas} x "
+            "experiment: the config's runtime is multi_worker_mirrored; without TF_CONFIG "
+            f"vrgd-train runs MirroredStrategy on this machine, so k = {experiment.replicas} x "
             f"{experiment.accumulation}, not the paper's (see the config's header)",
             flush=True,
         )
-    strategy = tf.distribute.MirroredStrategy(devices)
-    try:
-        runs = train_each(
-            args,
+    strategy = strategy or tf.distribute.MirroredStrategy(devices)
+
+    scratch = None
+    if not chief:
+        task = strategy.cluster_resolver
+        scratch = os.path.join(args.output, WORKER_SCRATCH, f"{task.task_type}-{task.task_id}")
+
+    def train_one(name, block, run_dir):
+        return task_runs.train_task_run(
+            name,
+            block,
             experiment,
-            lambda name, block, run_dir: task_runs.train_task_run(
-                name, block, experiment, strategy, run_dir, args.verbose
-            ),
+            strategy,
+            run_dir,
+            args.verbose,
+            scratch and os.path.join(scratch, name),
         )
+
+    try:
+        runs = train_each(args, experiment, train_one, write=chief)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"vrgd-train: {error}") from None
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the other workers' may remain
+            os.rmdir(os.path.dirname(scratch))
+        return 0
     table = write_summary(
         args, experiment, task_runs.summarize(runs, experiment), task_runs.format_table
     )
@@ -835,15 +936,16 @@ def main_task(args, cfg):
     return 0
 
 
-def train_each(args, experiment, train_one):
+def train_each(args, experiment, train_one, write=True):
     """`{run name: records}`: each run of the experiment (the config's, then
     with --compare its twin) trained by `train_one(name, block, run_dir)`,
-    its optimization block written beside it."""
+    its optimization block written beside it (if `write`)."""
     runs = {}
     for name, block in experiment.runs(args.compare):
         print(f"\n=== {name} ===", flush=True)
-        with open(os.path.join(args.output, f"{name}.optimization.json"), "w") as f:
-            json.dump(block, f, indent=2)
+        if write:
+            with open(os.path.join(args.output, f"{name}.optimization.json"), "w") as f:
+                json.dump(block, f, indent=2)
         runs[name] = train_one(name, block, os.path.join(args.output, name))
     return runs
 
