@@ -767,6 +767,12 @@ def main(argv=None):
     )
     if experiment.note:
         print(f"experiment: {experiment.note}", flush=True)
+    if os.environ.get("TF_CONFIG"):
+        print(
+            "experiment: TF_CONFIG is set, but a Fashion-MNIST run trains on this machine "
+            "only (the paper's tasks train on several)",
+            flush=True,
+        )
     arrays = data.load(args.data_dir, args.cache_dir)
     strategy = tf.distribute.MirroredStrategy(devices)
     runs = train_each(
