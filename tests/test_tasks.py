@@ -336,19 +336,29 @@ def test_task_trains_from_files_with_its_twin_and_resumes(kind, tmp_path):
     # Resume: drop the last checkpoint of the twin and rerun the command;
     # the optimizer state and the input order come back, so the weights
     # are the uninterrupted run's.
-    run_dir = output / vr
+    _check_resume(
+        output / vr,
+        lambda: _train(config, output, overrides, "--train-steps", "6", "--compare"),
+        [3, 6],
+        rtol=1e-4,
+    )
+
+
+def _check_resume(run_dir, rerun, updates, rtol):
+    """Removes the run's last checkpoint (after 2 intervals), reruns its
+    command (`rerun()` returns the output) and checks it resumed after
+    interval 1 to the uninterrupted run's records and final weights."""
     uninterrupted = _weights(run_dir / "final.weights.h5")
     os.remove(run_dir / "checkpoint-epoch2.keras")
     first = _records(run_dir)[0]
-    stdout = _train(config, output, overrides, "--train-steps", "6", "--compare")
-    assert f"[{vr}] resuming after interval 1" in stdout
+    assert f"[{run_dir.name}] resuming after interval 1" in rerun()
     records = _records(run_dir)
-    assert [r["updates"] for r in records] == [3, 6]
+    assert [r["updates"] for r in records] == updates
     assert records[0] == first
     resumed = _weights(run_dir / "final.weights.h5")
     assert resumed.keys() == uninterrupted.keys()
     for key in uninterrupted:
-        np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=rtol, atol=rtol / 100)
 
 
 def _train_on_workers(config, output, overrides, *extra, workers=2):
@@ -438,18 +448,12 @@ def test_task_trains_on_two_workers_and_resumes(tmp_path):
     assert [row["replicas"] for row in summary["runs"]] == [2]
     assert not (output / ".workers").exists()
 
-    uninterrupted = _weights(run_dir / "final.weights.h5")
-    os.remove(run_dir / "checkpoint-epoch2.keras")
-    first = records[0]
-    stdout = _train_on_workers(config, output, overrides, "--train-steps", "4")
-    assert "[vr_sgd] resuming after interval 1" in stdout
-    records = _records(run_dir)
-    assert [r["updates"] for r in records] == [2, 4]
-    assert records[0] == first
-    resumed = _weights(run_dir / "final.weights.h5")
-    assert resumed.keys() == uninterrupted.keys()
-    for key in uninterrupted:
-        np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-7)
+    _check_resume(
+        run_dir,
+        lambda: _train_on_workers(config, output, overrides, "--train-steps", "4"),
+        [2, 4],
+        rtol=1e-5,
+    )
 
 
 def _weights(path):
