@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -494,6 +495,50 @@ def test_init_checkpoint_starts_from_the_given_weights(tmp_path):
     assert before and before.keys() <= after.keys()
     for key in before:
         np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("runtime.mixed_precision_dtype", "float8", "must be one of"),
+        ("runtime.loss_scale", 128, "has no fixed scale"),
+    ],
+)
+def test_runtime_precision_fields_are_checked(tmp_path, field, value, message):
+    config = os.path.join(PAPER, "dlrm_vr_sgd_64k.yaml")
+    with pytest.raises(SystemExit, match=message):
+        train.main(
+            ["--config", config, "--output", str(tmp_path), "--synthetic"]
+            + ["--override", f"{field}={json.dumps(value)}"]
+        )
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_mixed_precision_runs_train(precision, tmp_path):
+    """runtime.mixed_precision_dtype sets Keras' dtype policy (float16: with
+    the loss scaled dynamically); BERT and its twin train on synthetic
+    inputs, float32 weights, the VR run's GSNR read through the wrapper."""
+    config, overrides, _ = TASK_RUNS["bert"]
+    output = tmp_path / "run"
+    overrides = {
+        **overrides,
+        "runtime.mixed_precision_dtype": precision,
+        "trainer.checkpoint_interval": 3,
+    }
+    stdout = _train(config, output, overrides, "--train-steps", "6", "--synthetic", "--compare")
+    assert f"mixed_{precision}" in stdout
+    for name in ("vr_lamb", "lamb"):
+        with zipfile.ZipFile(output / name / "checkpoint-epoch2.keras") as saved:
+            assert f'"mixed_{precision}"' in saved.read("config.json").decode()
+        records = _records(output / name)
+        assert [r["updates"] for r in records] == [3, 6]
+        assert all(np.isfinite(r["train_loss"]) for r in records)
+        assert records[-1]["train_loss"] < records[0]["train_loss"]
+        weights = _weights(output / name / "final.weights.h5")
+        assert {w.dtype for k, w in weights.items() if k.startswith("layers")} == {
+            np.dtype("float32")
+        }
+    assert any(k.startswith("gsnr_scale/") for k in _records(output / "vr_lamb")[-1])
 
 
 @pytest.mark.parametrize("kind", TASK_RUNS)

@@ -22,6 +22,11 @@ from tf_vrgd.experiments import train
 
 DEFAULT_CHECKPOINT_INTERVAL = 1000
 
+# Model Garden's `runtime.mixed_precision_dtype`: the Keras dtype policy.
+# Under float16 Keras' `compile` wraps the optimizer in a
+# `LossScaleOptimizer` (dynamic loss scale; VR optimizers read through it).
+DTYPE_POLICIES = {"float32": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
+
 
 class TaskExperiment:
     """The parts of a paper-task config that `vrgd-train` uses.
@@ -81,6 +86,19 @@ class TaskExperiment:
         if self.max_to_keep < 1:
             raise ValueError(f"trainer.max_to_keep must be >= 1. Received: {self.max_to_keep}")
         self.seed = seed if seed is not None else int(get(cfg, "runtime.seed", 0) or 0)
+        precision = get(cfg, "runtime.mixed_precision_dtype") or "float32"
+        if precision not in DTYPE_POLICIES:
+            raise ValueError(
+                f"runtime.mixed_precision_dtype must be one of {sorted(DTYPE_POLICIES)}. "
+                f"Received: {precision!r}"
+            )
+        self.dtype_policy = DTYPE_POLICIES[precision]
+        loss_scale = get(cfg, "runtime.loss_scale")
+        if loss_scale not in (None, "dynamic"):
+            raise ValueError(
+                "runtime.loss_scale must be 'dynamic' (or unset): Keras 3's LossScaleOptimizer "
+                f"has no fixed scale. Received: {loss_scale!r}"
+            )
         self.synthetic = bool(synthetic)
         self.block = block
         self.note = ""
@@ -106,8 +124,8 @@ class TaskExperiment:
         return (
             f"task {self.task.name}: {self.train_steps} updates of {self.global_batch} "
             f"examples ({self.accumulation} step(s) of {self.step_batch} each) on "
-            f"{self.replicas} replica(s), checkpoints every {self.interval} updates, "
-            f"{source}, seed {self.seed}"
+            f"{self.replicas} replica(s), {self.dtype_policy}, checkpoints every "
+            f"{self.interval} updates, {source}, seed {self.seed}"
         )
 
     def dataset(self, split, interval):
@@ -200,6 +218,7 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     train.remove_partial_checkpoints(write_dir)
     checkpoints = train._checkpoints(run_dir) if os.path.isdir(run_dir) else {}
     done = max(checkpoints, default=0)
+    keras.mixed_precision.set_global_policy(experiment.dtype_policy)
     with strategy.scope():
         keras.utils.set_random_seed(experiment.seed)
         model = experiment.task.build_model()
