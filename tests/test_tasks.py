@@ -215,6 +215,55 @@ def test_input_pipelines_of_workers_split_the_records(files, tmp_path):
         assert parts == [written[0::2], written[1::2]]
 
 
+@pytest.mark.parametrize(
+    "kind, overrides, message",
+    [
+        (
+            "bert",
+            {"task.train_data.seq_length": 32},
+            r"input_ids holds 16 int64_list values where the config expects "
+            r"task.train_data.seq_length 32",
+        ),
+        (
+            "bert",
+            {"task.train_data.max_predictions_per_seq": 6},
+            r"masked_lm_positions holds 4 .*\.max_predictions_per_seq 6",
+        ),
+        ("imagenet", {"task.model.num_classes": 10}, r"not one label in \[0, 10\)"),
+        (
+            "dlrm",
+            {"task.model.vocab_sizes": [40] * 20},
+            r"has 40 tab-separated fields; the config expects 34",
+        ),
+    ],
+)
+def test_files_that_do_not_match_the_config_are_named_before_training(
+    kind, overrides, message, tmp_path
+):
+    """Records of another layout than the config's stop the run at once,
+    with the file and the field, not with a parse error inside `fit`."""
+    from tf_vrgd.experiments import task_runs
+
+    if kind == "bert":
+        path = str(tmp_path / "bert.tfrecord")
+        task_data.write_bert_records(path, 4, 16, 4, 200)
+        name, base = "bert_large_vr_lamb_32k_phase1.yaml", TINY_BERT
+    elif kind == "imagenet":
+        path = str(tmp_path / "train.tfrecord")
+        task_data.write_imagenet_records(path, 4, size=(8, 8))
+        name, base = "imagenet_resnet50_vr_lars_32k.yaml", {}
+    else:
+        path = str(tmp_path / "day_0.tsv")
+        task_data.write_criteo(path, 4)
+        name, base = "dlrm_vr_sgd_64k.yaml", TINY_DLRM
+    cfg = _cfg(name, {**base, "task.train_data.input_path": path})
+    task_runs.TaskExperiment(cfg, replicas=2)  # as written: no complaint
+    cfg = _cfg(name, {**base, **overrides, "task.train_data.input_path": path})
+    with pytest.raises(ValueError, match=message) as error:
+        task_runs.TaskExperiment(cfg, replicas=2)
+    assert str(error.value).startswith(f"task.train_data: {path}: ")
+
+
 def test_overrides_set_nested_fields_as_yaml():
     cfg = train.apply_overrides(
         {"task": {"model": {"type": "dlrm"}}},

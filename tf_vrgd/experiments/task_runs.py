@@ -100,6 +100,9 @@ class TaskExperiment:
                 f"has no fixed scale. Received: {loss_scale!r}"
             )
         self.synthetic = bool(synthetic)
+        if not self.synthetic:
+            for split in ("train", "validation"):
+                self.task.check_input(split)
         self.block = block
         self.note = ""
         if self.train_steps != config_steps:

@@ -16,7 +16,6 @@ repeating without end; `vrgd-train` sizes the steps.
 """
 
 import copy
-import glob
 import os
 import pickle
 
@@ -33,6 +32,13 @@ def _get(cfg, path, default=None):
             return default
         cfg = cfg[key]
     return default if cfg is None else cfg
+
+
+def _first_example(path):
+    """The first `tf.train.Example` of a TFRecord file; None if it has none."""
+    for record in tf.data.TFRecordDataset([path]).take(1):
+        return tf.train.Example.FromString(record.numpy())
+    return None
 
 
 def _read(files, reader, shard):
@@ -69,13 +75,14 @@ def _reshuffled_passes(records, seed):
 
 
 def _files(pattern):
-    """The files of a Model Garden `input_path`: comma-separated globs."""
+    """The files of a Model Garden `input_path`: comma-separated globs
+    (through `tf.io.gfile`, so cloud storage paths work too)."""
     if not pattern:
         raise ValueError(
             "The task reads files but task.train_data.input_path is not set: pass "
             "--override task.train_data.input_path=PATH, or --synthetic."
         )
-    found = sorted(f for part in str(pattern).split(",") for f in glob.glob(part.strip()))
+    found = sorted(f for part in str(pattern).split(",") for f in tf.io.gfile.glob(part.strip()))
     if not found:
         raise FileNotFoundError(f"No file matches input_path {pattern!r}.")
     return found
@@ -118,6 +125,22 @@ class Task:
         record.
         """
         raise NotImplementedError
+
+    def check_input(self, split):
+        """Reads the first record of `split`'s first file and raises
+        ValueError if it does not have the layout the config implies (a
+        mismatch would otherwise surface as a parse error deep in `fit`)."""
+        path = _get(self._data_cfg(split), "input_path")
+        if split != "train" and not path:
+            return
+        files = _files(path)
+        problem = self._input_problem(files, split)
+        if problem:
+            raise ValueError(f"task.{split}_data: {files[0]}: {problem}")
+
+    def _input_problem(self, files, split):
+        """What is wrong with the first record of `files`; "" if nothing."""
+        return ""
 
     def synthetic_dataset(self, batch_size, seed):
         """One random batch, made on the device and repeated: the shapes
@@ -236,6 +259,26 @@ class BertPretraining(Task):
             "masked_lm_weights": tf.io.FixedLenFeature([preds], tf.float32),
             "next_sentence_labels": tf.io.FixedLenFeature([1], ints),
         }
+
+    def _input_problem(self, files, split):
+        example = _first_example(files[0])
+        if example is None:
+            return "no records."
+        stored = example.features.feature
+        fields = {self.seq_length: "seq_length", self.max_predictions: "max_predictions_per_seq"}
+        for name, spec in self.feature_spec().items():
+            if name not in stored:
+                return (
+                    f"no feature {name!r}; BERT's create_pretraining_data writes "
+                    f"{', '.join(sorted(self.feature_spec()))}."
+                )
+            kind = "float_list" if spec.dtype == tf.float32 else "int64_list"
+            count = len(getattr(stored[name], kind).value)
+            if count != spec.shape[0]:
+                field = fields.get(spec.shape[0])
+                expected = f"task.train_data.{field} {spec.shape[0]}" if field else spec.shape[0]
+                return f"{name} holds {count} {kind} values where the config expects {expected}."
+        return ""
 
     def _decode(self, record):
         features = tf.io.parse_single_example(record, self.feature_spec())
@@ -384,6 +427,24 @@ class ImageClassification(Task):
         )
 
     # ImageNet.
+
+    def _input_problem(self, files, split):
+        if self.cifar:
+            return ""  # `_cifar` checks the folder's files
+        example = _first_example(files[0])
+        if example is None:
+            return "no records."
+        stored = example.features.feature
+        for name in ("image/encoded", "image/class/label"):
+            if name not in stored:
+                return f"no feature {name!r} (Model Garden's ImageNet layout)."
+        label = list(stored["image/class/label"].int64_list.value)
+        if len(label) != 1 or not 0 <= label[0] < self.num_classes:
+            return (
+                f"image/class/label is {label}, not one label in [0, {self.num_classes}) "
+                "(task.model.num_classes)."
+            )
+        return ""
 
     @staticmethod
     def _decode_imagenet(record):
@@ -536,6 +597,21 @@ class Dlrm(Task):
             "loss": keras.losses.BinaryCrossentropy(from_logits=True),
             "metrics": [keras.metrics.AUC(from_logits=True, name="auc")],
         }
+
+    def _input_problem(self, files, split):
+        with tf.io.gfile.GFile(files[0]) as f:
+            line = f.readline().rstrip("\n")
+        if not line:
+            return "no lines."
+        expected = 1 + self.num_dense + len(self.vocab_sizes)
+        count = len(line.split("\t"))
+        if count != expected:
+            return (
+                f"the first line has {count} tab-separated fields; the config expects "
+                f"{expected} (label, {self.num_dense} integers, {len(self.vocab_sizes)} "
+                "categories: task.model.num_dense_features and vocab_sizes)."
+            )
+        return ""
 
     def _parse_lines(self, lines):
         defaults = [[0.0]] + [[0.0]] * self.num_dense + [[""]] * len(self.vocab_sizes)
