@@ -257,10 +257,10 @@ def test_files_that_do_not_match_the_config_are_named_before_training(
         task_data.write_criteo(path, 4)
         name, base = "dlrm_vr_sgd_64k.yaml", TINY_DLRM
     cfg = _cfg(name, {**base, "task.train_data.input_path": path})
-    task_runs.TaskExperiment(cfg, replicas=2)  # as written: no complaint
+    task_runs.TaskExperiment(cfg, replicas=2).check_input()  # as written: no complaint
     cfg = _cfg(name, {**base, **overrides, "task.train_data.input_path": path})
     with pytest.raises(ValueError, match=message) as error:
-        task_runs.TaskExperiment(cfg, replicas=2)
+        task_runs.TaskExperiment(cfg, replicas=2).check_input()
     assert str(error.value).startswith(f"task.train_data: {path}: ")
 
 

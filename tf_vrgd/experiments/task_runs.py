@@ -100,9 +100,6 @@ class TaskExperiment:
                 f"has no fixed scale. Received: {loss_scale!r}"
             )
         self.synthetic = bool(synthetic)
-        if not self.synthetic:
-            for split in ("train", "validation"):
-                self.task.check_input(split)
         self.block = block
         self.note = ""
         if self.train_steps != config_steps:
@@ -121,6 +118,14 @@ class TaskExperiment:
 
     def runs(self, compare):
         return train.runs_of(self.block, compare)
+
+    def check_input(self):
+        """Raises ValueError if the first record of a split's files does not
+        have the layout the config implies (reads them with TensorFlow: call
+        it once the devices are set up)."""
+        if not self.synthetic:
+            for split in ("train", "validation"):
+                self.task.check_input(split)
 
     def describe(self):
         source = "synthetic inputs" if self.synthetic else "the config's files"

@@ -889,6 +889,10 @@ def main_task(args, cfg):
         raise SystemExit(f"vrgd-train: {error}") from None
     if not cluster:
         devices = setup_devices(experiment.replicas)
+    try:
+        experiment.check_input()
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"vrgd-train: {error}") from None
 
     import tensorflow as tf
 
