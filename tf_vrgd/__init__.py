@@ -13,6 +13,7 @@ from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
 from tf_vrgd.monitor import GSNRMonitor
+from tf_vrgd.replica_noise import independent_replica_noise
 from tf_vrgd.vr_adam import VRAdam
 from tf_vrgd.vr_lamb import VRLAMB
 from tf_vrgd.vr_lars import VRLARS
@@ -35,6 +36,7 @@ __all__ = [
     "__version__",
     "find_vr_optimizer",
     "functional",
+    "independent_replica_noise",
     "schedules",
     "statistics",
 ]

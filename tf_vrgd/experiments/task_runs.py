@@ -230,6 +230,9 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     with strategy.scope():
         keras.utils.set_random_seed(experiment.seed)
         model = experiment.task.build_model()
+        # Dropout masks of their own on each replica (Keras draws one for
+        # all): the per-replica gradients are separate samples.
+        tf_vrgd.independent_replica_noise(model)
         model.compile(
             optimizer=config.optimizer_from_config(block), **experiment.task.compile_args()
         )
