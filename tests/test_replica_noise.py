@@ -1,8 +1,11 @@
 """Random layers draw their own masks on each replica after
 `independent_replica_noise` (Keras 3 draws one mask for all of them)."""
 
+import warnings
+
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_vrgd
@@ -90,3 +93,20 @@ def test_outside_a_strategy_nothing_changes():
     tf_vrgd.independent_replica_noise(model)
     for _ in range(2):
         np.testing.assert_array_equal(model(x, training=True), twin(x, training=True))
+
+
+def test_gsnr_monitor_warns_of_shared_masks(strategy):
+    x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    with strategy.scope():
+        model = _dropout_model()
+        model.compile(
+            optimizer=tf_vrgd.VRSGD(1e-4, track_gsnr_statistics=True), loss="mean_squared_error"
+        )
+    fit = dict(batch_size=32, epochs=1, verbose=0, callbacks=[tf_vrgd.GSNRMonitor()])
+    with pytest.warns(UserWarning, match="1 random layer.*independent_replica_noise"):
+        model.fit(x, y, **fit)
+    tf_vrgd.independent_replica_noise(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.fit(x, y, **fit)

@@ -2,9 +2,11 @@
 statistics into the training logs (so into `History`, the progress bar and
 Keras' own `TensorBoard` callback)."""
 
+import warnings
+
 import keras
 
-from tf_vrgd import _gsnr, statistics
+from tf_vrgd import _gsnr, replica_noise, statistics
 
 
 class GSNRMonitor(keras.callbacks.Callback):
@@ -67,6 +69,16 @@ class GSNRMonitor(keras.callbacks.Callback):
                 f"GSNRMonitor reads the statistics that "
                 f"{type(self._optimizer).__name__} sums only when constructed "
                 "with track_gsnr_statistics=True."
+            )
+
+        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        shared = replica_noise.shared_streams(self.model)
+        if replicas > 1 and shared:
+            warnings.warn(
+                f"{shared} random layer(s) of the model (dropout...) draw the same values on "
+                f"all {replicas} replicas, so the GSNR's variance misses their noise. Call "
+                "tf_vrgd.independent_replica_noise(model) after building the model.",
+                stacklevel=2,
             )
 
     def on_epoch_begin(self, epoch, logs=None):

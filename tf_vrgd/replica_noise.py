@@ -41,6 +41,17 @@ def independent_replica_noise(model):
     return count
 
 
+def shared_streams(model):
+    """The number of seed generators of `model`'s random layers that draw
+    the same values on every replica (not yet through
+    `independent_replica_noise`)."""
+    return sum(
+        not getattr(generator, "_draws_per_replica", False)
+        for layer in model._flatten_layers()
+        for generator in getattr(layer, "_seed_generators", ())
+    )
+
+
 def _draw_per_replica(generator):
     if getattr(generator, "_draws_per_replica", False):
         return
