@@ -411,19 +411,19 @@ def _check_resume(run_dir, rerun, updates, rtol):
         np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=rtol, atol=rtol / 100)
 
 
-def _train_on_workers(config, output, overrides, *extra, workers=2):
-    """`vrgd-train` as `workers` processes with TF_CONFIG on 127.0.0.1 ports;
-    returns the chief's (worker 0's) output."""
+def _run_workers(config, outputs, overrides, *extra):
+    """`vrgd-train` as one process per entry of `outputs` (its --output),
+    with TF_CONFIG on 127.0.0.1 ports; returns their exit codes and output."""
     from tests.test_multiworker import _free_ports
 
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(workers)]}
-    command = [sys.executable, "-m", "tf_vrgd.experiments.train", "--config"]
-    command += [os.path.join(PAPER, config), "--output", str(output), "--verbose", "0"]
-    command += ["--deterministic", *extra]
-    for key, value in overrides.items():
-        command += ["--override", f"{key}={json.dumps(value)}"]
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(len(outputs))]}
     processes = []
-    for index in range(workers):
+    for index, output in enumerate(outputs):
+        command = [sys.executable, "-m", "tf_vrgd.experiments.train", "--config"]
+        command += [os.path.join(PAPER, config), "--output", str(output), "--verbose", "0"]
+        command += ["--deterministic", *extra]
+        for key, value in overrides.items():
+            command += ["--override", f"{key}={json.dumps(value)}"]
         task = {"type": "worker", "index": index}
         env = dict(
             os.environ,
@@ -434,14 +434,19 @@ def _train_on_workers(config, output, overrides, *extra, workers=2):
             subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         )
     try:
-        outputs = [p.communicate(timeout=600)[0].decode() for p in processes]
+        texts = [p.communicate(timeout=600)[0].decode() for p in processes]
     finally:
         for p in processes:
             if p.poll() is None:
                 p.kill()
-    codes = [p.returncode for p in processes]
-    assert codes == [0] * workers, "\n".join(o[-3000:] for o in outputs)
-    return outputs[0]
+    return [p.returncode for p in processes], texts
+
+
+def _train_on_workers(config, output, overrides, *extra, workers=2):
+    """Two workers (by default) sharing `output`; returns the chief's output."""
+    codes, texts = _run_workers(config, [output] * workers, overrides, *extra)
+    assert codes == [0] * workers, "\n".join(t[-3000:] for t in texts)
+    return texts[0]
 
 
 @pytest.mark.parametrize(
@@ -504,6 +509,14 @@ def test_task_trains_on_two_workers_and_resumes(tmp_path):
         [2, 4],
         rtol=1e-5,
     )
+
+    # An --output that the workers do not share: the chief would resume, the
+    # other worker start afresh. Both stop and say why.
+    codes, texts = _run_workers(
+        config, [output, tmp_path / "other"], overrides, "--train-steps", "4"
+    )
+    assert codes == [1, 1]
+    assert all("--output must be one folder that every worker sees" in t for t in texts)
 
 
 def _weights(path):

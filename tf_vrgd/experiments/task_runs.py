@@ -226,6 +226,7 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     train.remove_partial_checkpoints(write_dir)
     checkpoints = train._checkpoints(run_dir) if os.path.isdir(run_dir) else {}
     done = max(checkpoints, default=0)
+    _check_workers_agree(strategy, done, run_dir)
     keras.mixed_precision.set_global_policy(experiment.dtype_policy)
     with strategy.scope():
         keras.utils.set_random_seed(experiment.seed)
@@ -269,6 +270,23 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
         )
     model.save_weights(os.path.join(write_dir, "final.weights.h5"))
     return records
+
+
+def _check_workers_agree(strategy, done, run_dir):
+    """Under `MultiWorkerMirroredStrategy`, stops every worker unless all
+    found the same last checkpoint (a worker starting afresh beside one
+    that resumes would train with other weights, or hang)."""
+    import tensorflow as tf
+
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return
+    total = strategy.reduce("SUM", strategy.run(lambda: tf.constant(float(done))), axis=None)
+    if float(total) != done * strategy.num_replicas_in_sync:
+        raise ValueError(
+            f"the workers found different checkpoints in {run_dir} (this one: "
+            f"{done} interval(s) done): --output must be one folder that every worker "
+            "sees (a shared file system), as the chief writes the checkpoints."
+        )
 
 
 # Calls of a random layer (dropout) in one interval stay below this.
