@@ -70,6 +70,7 @@ def build(task_name, block, strategy, args):
     function and a distributed iterator over the synthetic input."""
     import keras
 
+    import tf_vrgd
     from tf_vrgd import config
     from tf_vrgd.experiments import task_runs, train
 
@@ -82,6 +83,7 @@ def build(task_name, block, strategy, args):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = experiment.task.build_model()
+        tf_vrgd.independent_replica_noise(model)  # as vrgd-train does
         model.compile(
             optimizer=config.optimizer_from_config(block), **experiment.task.compile_args()
         )
