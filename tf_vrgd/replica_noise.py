@@ -33,12 +33,20 @@ def independent_replica_noise(model):
     Returns:
         The number of seed generators now drawing per replica.
     """
-    count = 0
-    for layer in model._flatten_layers():
-        for generator in getattr(layer, "_seed_generators", ()):
-            _draw_per_replica(generator)
-            count += 1
-    return count
+    generators = seed_generators(model)
+    for generator in generators:
+        _draw_per_replica(generator)
+    return len(generators)
+
+
+def seed_generators(model):
+    """The `SeedGenerator`s of `model`'s random layers, nested ones
+    included."""
+    return [
+        generator
+        for layer in model._flatten_layers()
+        for generator in getattr(layer, "_seed_generators", ())
+    ]
 
 
 def shared_streams(model):
@@ -46,9 +54,7 @@ def shared_streams(model):
     the same values on every replica (not yet through
     `independent_replica_noise`)."""
     return sum(
-        not getattr(generator, "_draws_per_replica", False)
-        for layer in model._flatten_layers()
-        for generator in getattr(layer, "_seed_generators", ())
+        not getattr(generator, "_draws_per_replica", False) for generator in seed_generators(model)
     )
 
 

@@ -297,11 +297,12 @@ def _reseed_random_layers(model, interval):
     """Restarts every random layer's stream (dropout) at a point fixed by the
     interval: a checkpoint does not hold those streams, and a resumed run
     must draw what the uninterrupted one drew."""
-    for layer in model._flatten_layers():
-        for generator in getattr(layer, "_seed_generators", ()):
-            seed = generator.state.numpy()[0]
-            counter = interval * RANDOM_CALLS_PER_INTERVAL % 2**31
-            generator.state.assign(np.array([seed, counter], generator.state.dtype))
+    from tf_vrgd import replica_noise
+
+    counter = interval * RANDOM_CALLS_PER_INTERVAL % 2**31
+    for generator in replica_noise.seed_generators(model):
+        seed = generator.state.numpy()[0]
+        generator.state.assign(np.array([seed, counter], generator.state.dtype))
 
 
 def summarize(runs, experiment):
