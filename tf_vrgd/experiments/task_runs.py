@@ -136,13 +136,20 @@ class TaskExperiment:
             f"{self.interval} updates, {source}, seed {self.seed}"
         )
 
+    def has_input(self, split):
+        """Whether `split` has input: always `train`; `validation` where the
+        config names files for it (synthetic runs validate nothing)."""
+        if split == "train":
+            return True
+        return not self.synthetic and self.task.input_path(split) is not None
+
     def dataset(self, split, interval):
         """The input of one interval, seeded by the interval: a resumed run
         replays the order of an uninterrupted one."""
+        if not self.has_input(split):
+            return None
         if self.synthetic:
             # One batch for the whole run, as Model Garden's synthetic mode.
-            if split != "train":
-                return None
             return self.task.synthetic_dataset(self.step_batch, self.seed)
         return self.task.dataset(split, self.step_batch, self.seed * 100003 + interval)
 
@@ -158,7 +165,7 @@ class TaskExperiment:
 
         if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
             return self.dataset(split, interval)
-        if self.dataset(split, interval) is None:
+        if not self.has_input(split):
             return None
 
         def per_worker(context):

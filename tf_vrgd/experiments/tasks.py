@@ -126,19 +126,25 @@ class Task:
         """
         raise NotImplementedError
 
+    def input_path(self, split):
+        """`split`'s `input_path`; None where a split other than `train`
+        names none (`train` must: `_files` says so)."""
+        path = _get(self._data_cfg(split), "input_path")
+        return path if path or split == "train" else None
+
     def check_input(self, split):
         """Reads the first record of `split`'s first file and raises
         ValueError if it does not have the layout the config implies (a
         mismatch would otherwise surface as a parse error deep in `fit`)."""
-        path = _get(self._data_cfg(split), "input_path")
-        if split != "train" and not path:
+        path = self.input_path(split)
+        if path is None:
             return
         files = _files(path)
-        problem = self._input_problem(files, split)
+        problem = self._input_problem(files)
         if problem:
             raise ValueError(f"task.{split}_data: {files[0]}: {problem}")
 
-    def _input_problem(self, files, split):
+    def _input_problem(self, files):
         """What is wrong with the first record of `files`; "" if nothing."""
         return ""
 
@@ -260,7 +266,7 @@ class BertPretraining(Task):
             "next_sentence_labels": tf.io.FixedLenFeature([1], ints),
         }
 
-    def _input_problem(self, files, split):
+    def _input_problem(self, files):
         example = _first_example(files[0])
         if example is None:
             return "no records."
@@ -289,8 +295,8 @@ class BertPretraining(Task):
         return self._example(features)
 
     def dataset(self, split, batch_size, seed, shard=None):
-        path = _get(self._data_cfg(split), "input_path")
-        if split != "train" and not path:
+        path = self.input_path(split)
+        if path is None:
             return None
         ds = _read(_files(path), tf.data.TFRecordDataset, shard)
         if split == "train":
@@ -392,8 +398,8 @@ class ImageClassification(Task):
         return self._one_hot(images, labels)
 
     def dataset(self, split, batch_size, seed, shard=None):
-        path = _get(self._data_cfg(split), "input_path")
-        if split != "train" and not path:
+        path = self.input_path(split)
+        if path is None:
             return None
         training = split == "train"
         if self.cifar:
@@ -428,7 +434,7 @@ class ImageClassification(Task):
 
     # ImageNet.
 
-    def _input_problem(self, files, split):
+    def _input_problem(self, files):
         if self.cifar:
             return ""  # `_cifar` checks the folder's files
         example = _first_example(files[0])
@@ -598,7 +604,7 @@ class Dlrm(Task):
             "metrics": [keras.metrics.AUC(from_logits=True, name="auc")],
         }
 
-    def _input_problem(self, files, split):
+    def _input_problem(self, files):
         with tf.io.gfile.GFile(files[0]) as f:
             line = f.readline().rstrip("\n")
         if not line:
@@ -629,8 +635,8 @@ class Dlrm(Task):
         return features, label
 
     def dataset(self, split, batch_size, seed, shard=None):
-        path = _get(self._data_cfg(split), "input_path")
-        if split != "train" and not path:
+        path = self.input_path(split)
+        if path is None:
             return None
         ds = _read(_files(path), tf.data.TextLineDataset, shard)
         if split == "train":

@@ -853,6 +853,16 @@ def is_chief(strategy):
     return resolver.task_type == "worker" and resolver.task_id == 0 and not has_chief
 
 
+@contextlib.contextmanager
+def _config_errors_exit():
+    """A config or its files that cannot train (ValueError,
+    FileNotFoundError) end the command with the message, not a traceback."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"vrgd-train: {error}") from None
+
+
 def main_task(args, cfg):
     """`vrgd-train` on a paper task (BERT, ResNet, DLRM)."""
     from tf_vrgd.experiments import task_runs
@@ -873,11 +883,9 @@ def main_task(args, cfg):
     cluster = multi_worker_cluster(args)
     strategy = devices = None
     if cluster:
-        import tensorflow as tf
-
         # Before anything else starts TensorFlow's runtime.
         strategy = multi_worker_strategy()
-    try:
+    with _config_errors_exit():
         experiment = task_runs.TaskExperiment(
             cfg,
             train_steps=args.train_steps,
@@ -885,14 +893,10 @@ def main_task(args, cfg):
             replicas=strategy.num_replicas_in_sync if strategy else args.replicas,
             synthetic=args.synthetic,
         )
-    except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"vrgd-train: {error}") from None
     if not cluster:
         devices = setup_devices(experiment.replicas)
-    try:
+    with _config_errors_exit():
         experiment.check_input()
-    except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"vrgd-train: {error}") from None
 
     import tensorflow as tf
 
@@ -930,10 +934,8 @@ def main_task(args, cfg):
             scratch and os.path.join(scratch, name),
         )
 
-    try:
+    with _config_errors_exit():
         runs = train_each(args, experiment, train_one, write=chief)
-    except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"vrgd-train: {error}") from None
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)
         with contextlib.suppress(OSError):  # the other workers' may remain
