@@ -81,10 +81,15 @@ def test_cifar_batches_decode_to_the_written_images(tmp_path, python):
         {"task.validation_data.input_path": str(tmp_path)},
     )
     task = tasks.from_config(cfg)
-    images, labels = next(iter(task._cifar(str(tmp_path), training=False).batch(100)))
+
+    def decoded(training):
+        files, reader, decode = task._cifar(str(tmp_path), training=training)
+        return next(iter(reader(files).map(decode).batch(100)))
+
+    images, labels = decoded(training=False)
     np.testing.assert_array_equal(images.numpy(), written["test"][0])
     np.testing.assert_array_equal(labels.numpy(), written["test"][1])
-    images, labels = next(iter(task._cifar(str(tmp_path), training=True).batch(100)))
+    images, labels = decoded(training=True)
     np.testing.assert_array_equal(images.numpy(), written["train"][0])
     # Evaluation input: standardised per channel, labels one-hot.
     x, y = next(iter(task.dataset("validation", 2, seed=0)))

@@ -7,8 +7,9 @@ interval: running train loss and metrics, validation metrics where the
 config names validation files, learning rate, seconds, examples per second
 in all and per replica, and the GSNR statistics of a VR optimizer) and
 `checkpoint-epoch<N>.keras` after N intervals (model, optimizer state).
-Each interval's input stream is seeded by the run's seed and the interval's
-index, so a run resumed from its last checkpoint sees the examples the
+The training stream is fixed by the run's seed (`tasks.training_records`)
+and read on from interval to interval; a run resumed from its last
+checkpoint starts it after the updates done, so it sees the examples the
 uninterrupted run would have seen.
 """
 
@@ -106,6 +107,10 @@ class TaskExperiment:
             self.block = train.rescale_schedule(block, self.train_steps / config_steps, 1.0)
             self.note = f"schedule rescaled from {config_steps} to {self.train_steps} updates"
 
+    def updates_in(self, interval):
+        """The updates of interval `interval` (the last may have fewer)."""
+        return min(self.interval, self.train_steps - interval * self.interval)
+
     def settings(self, compare):
         return {
             "config": self.cfg,
@@ -143,28 +148,32 @@ class TaskExperiment:
             return True
         return not self.synthetic and self.task.input_path(split) is not None
 
-    def dataset(self, split, interval):
-        """The input of one interval, seeded by the interval: a resumed run
-        replays the order of an uninterrupted one."""
+    def dataset(self, split, updates=0):
+        """`split`'s input on one machine: the training stream fixed by the
+        run's seed from the example after `updates` updates on (a resumed
+        run reads what the uninterrupted one reads next), or the validation
+        files."""
         if not self.has_input(split):
             return None
         if self.synthetic:
             # One batch for the whole run, as Model Garden's synthetic mode.
             return self.task.synthetic_dataset(self.step_batch, self.seed)
-        return self.task.dataset(split, self.step_batch, self.seed * 100003 + interval)
+        start = updates * self.global_batch if split == "train" else 0
+        return self.task.dataset(split, self.step_batch, self.seed, start=start)
 
-    def input(self, strategy, split, interval):
-        """What `fit` or `evaluate` reads in one interval (None where the
-        config names no data for `split`): the dataset, whose batches Keras
-        splits over the replicas; under `MultiWorkerMirroredStrategy`, each
-        worker's own part of the input (its files, or every n-th record; its
-        own seeds) batched per replica, so that no worker reads and drops
-        the others' examples. A worker's validation part repeats: every
-        worker must take part in all `validation_steps`."""
+    def input(self, strategy, split, updates=0):
+        """What `fit` (from the update after `updates` on) or `evaluate`
+        reads (None where the config names no data for `split`): the
+        dataset, whose batches Keras splits over the replicas; under
+        `MultiWorkerMirroredStrategy`, each worker's own part of the input
+        (its files, or every n-th record; its own seed) batched per replica,
+        so that no worker reads and drops the others' examples. A worker's
+        validation part repeats: every worker must take part in all
+        `validation_steps`."""
         import tensorflow as tf
 
         if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            return self.dataset(split, interval)
+            return self.dataset(split, updates)
         if not self.has_input(split):
             return None
 
@@ -173,35 +182,52 @@ class TaskExperiment:
             worker = context.input_pipeline_id
             if self.synthetic:
                 return self.task.synthetic_dataset(batch, self.seed * 1009 + worker)
-            seed = (self.seed * 100003 + interval) * 1009 + worker
-            ds = self.task.dataset(split, batch, seed, (context.num_input_pipelines, worker))
-            return ds if split == "train" else ds.repeat()
+            seed = self.seed * 1009 + worker
+            shard = (context.num_input_pipelines, worker)
+            if split != "train":
+                return self.task.dataset(split, batch, seed, shard).repeat()
+            # This worker's replicas each take a batch per step.
+            local = context.num_replicas_in_sync // context.num_input_pipelines
+            start = updates * self.accumulation * local * batch
+            return self.task.dataset(split, batch, seed, shard, start=start)
 
         return strategy.distribute_datasets_from_function(per_worker)
 
 
-def _interval_callback(experiment, strategy, model, vr_optimizer, run_dir, records, updates):
+def _interval_callback(experiment, strategy, model, vr_optimizer, run_dir, records, first):
+    """The callback of `fit`'s epochs, one per interval: reseeds the random
+    layers, ends the last interval after its updates, records the
+    interval's metrics and throughput, then checkpoints. `first`: the
+    first interval of this process (its time includes tracing)."""
     import keras
 
     class IntervalEnd(keras.callbacks.Callback):
-        """Records the interval's metrics and throughput, then checkpoints."""
-
         def on_epoch_begin(self, epoch, logs=None):
+            _reseed_random_layers(model, epoch)
+            self.updates = experiment.updates_in(epoch)
             self.start = time.time()
+
+        def on_train_batch_end(self, batch, logs=None):
+            # The last interval may be shorter than fit's epochs.
+            short = self.updates < experiment.interval
+            if short and batch + 1 >= self.updates * experiment.accumulation:
+                model.stop_training = True
 
         def on_epoch_end(self, epoch, logs=None):
             seconds = time.time() - self.start
-            examples = updates * experiment.global_batch
+            examples = self.updates * experiment.global_batch
             record = {
                 "epoch": epoch,
-                "updates": (epoch * experiment.interval) + updates,
+                "updates": (epoch * experiment.interval) + self.updates,
                 "seconds": seconds,
                 "examples_per_second": examples / seconds,
                 "examples_per_second_per_replica": examples / seconds / experiment.replicas,
                 "learning_rate": float(model.optimizer.learning_rate.numpy()),
+                # Tracing and compilation fall in a process's first interval.
+                "includes_startup": epoch == first,
             }
             record.update({f"train_{k}": float(v) for k, v in (logs or {}).items()})
-            validation = experiment.input(strategy, "validation", epoch)
+            validation = experiment.input(strategy, "validation")
             if validation is not None:
                 values = model.evaluate(
                     validation, steps=experiment.validation_steps, verbose=0, return_dict=True
@@ -261,17 +287,18 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     if done:
         print(f"[{name}] resuming after interval {done} from {checkpoints[done]}", flush=True)
     monitor = [] if vr_optimizer is None else [tf_vrgd.GSNRMonitor(per_variable=False)]
-    for interval in range(done, experiment.intervals):
-        _reseed_random_layers(model, interval)
-        updates = min(experiment.interval, experiment.train_steps - interval * experiment.interval)
+    if done < experiment.intervals:
+        # One fit, an epoch per interval: one iterator reads the training
+        # stream on from interval to interval (a resumed run starts it
+        # after the updates done).
         callback = _interval_callback(
-            experiment, strategy, model, vr_optimizer, write_dir, records, updates
+            experiment, strategy, model, vr_optimizer, write_dir, records, done
         )
         model.fit(
-            experiment.input(strategy, "train", interval),
-            initial_epoch=interval,
-            epochs=interval + 1,
-            steps_per_epoch=updates * experiment.accumulation,
+            experiment.input(strategy, "train", done * experiment.interval),
+            initial_epoch=done,
+            epochs=experiment.intervals,
+            steps_per_epoch=experiment.interval * experiment.accumulation,
             callbacks=[*monitor, callback],
             verbose=verbose,
         )
@@ -314,13 +341,14 @@ def _reseed_random_layers(model, interval):
 
 def summarize(runs, experiment):
     """One row per run: its last record's metrics and the throughput of
-    the intervals after the first (the first pays tracing and compilation;
-    with one interval, that one)."""
+    the intervals that are not a process's first (those pay tracing and
+    compilation; where every interval is, all of them)."""
     rows = []
     for name, records in runs.items():
         if not records:
             continue
-        steady = records[1:] or records
+        steady = [r for r in records if not r.get("includes_startup", r is records[0])]
+        steady = steady or records
         seconds = sum(r["seconds"] for r in steady)
         examples = sum(r["examples_per_second"] * r["seconds"] for r in steady)
         last = records[-1]

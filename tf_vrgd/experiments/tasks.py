@@ -42,9 +42,10 @@ def _first_example(path):
 
 
 def _read(files, reader, shard):
-    """`reader(files)`, or with `shard = (count, index)` input pipeline
-    `index` of `count`: every count-th file from `index` where there are at
-    least `count` files, else every count-th record."""
+    """`reader(files)` in file order (evaluation), or with `shard = (count,
+    index)` input pipeline `index` of `count`: every count-th file from
+    `index` where there are at least `count` files, else every count-th
+    record."""
     if shard is None:
         return reader(files)
     count, index = shard
@@ -53,25 +54,101 @@ def _read(files, reader, shard):
     return reader(files).shard(count, index)
 
 
-SHUFFLE_BUFFER = 10000
+# Consecutive records of a pass that a training stream puts in a random
+# order together (the memory a shuffle buffer of this size would take).
+SHUFFLE_BLOCK = 10000
 
 
-def _reshuffled_passes(records, seed):
-    """`records` repeated without end, each pass shuffled (through a buffer
-    of `SHUFFLE_BUFFER`) in a new order, all fixed by `seed`.
-
-    Every iterator of the result reads the same stream, however many are
-    made and however far ahead they read. `records.shuffle(...,
-    reshuffle_each_iteration=True).repeat()` alone does not promise that:
-    its passes draw their orders from one generator shared by all iterators
-    of the dataset, and Keras' `fit` makes two (one batch to build the
-    metrics, then the training one), so the second one's orders depended on
-    how far the first had read ahead. Made inside `flat_map`, the shuffle
-    and its generator are made anew for each iterator.
-    """
-    return tf.data.Dataset.range(1).flat_map(
-        lambda _: records.shuffle(SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=True).repeat()
+def count_records(files, reader):
+    """The number of records `reader` reads from each of `files` (each file
+    read through once, several at a time)."""
+    counts = tf.data.Dataset.from_tensor_slices(list(files)).map(
+        lambda name: reader(name).reduce(tf.constant(0, tf.int64), lambda n, _: n + 1),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
     )
+    return [int(n) for n in counts.as_numpy_iterator()]
+
+
+def training_records(files, reader, seed, start=0, shard=None, block=SHUFFLE_BLOCK):
+    """The training stream of the records `reader` reads from `files`, from
+    its record `start` on: a deterministic function of the files and `seed`.
+
+    Pass p (p = 0, 1, ...) reads the files in an order drawn from (seed, p),
+    and puts each block of `block` consecutive records of the pass in an
+    order drawn from (seed, p, the block's index): every record once per
+    pass, mixed with its neighbours as a shuffle buffer of `block` records
+    mixes them. Every iterator reads the same stream, and the stream from
+    `start` is the one from 0 less its first `start` records, so a run
+    resumed after `start` records reads exactly what the uninterrupted run
+    reads next. Reaching `start` reads each file's record count once
+    (`count_records`) and then at most one file up to one block: never the
+    records before it.
+
+    `shard = (count, index)`: input pipeline `index` of `count` (a worker of
+    a multi-worker run) reads every count-th file from `index` where there
+    are at least `count` files, else every count-th record of each pass;
+    `start` counts this pipeline's records.
+    """
+    files = list(files)
+    if shard is not None:
+        count, index = shard
+        if len(files) >= count:
+            files, shard = files[index::count], None
+    names = tf.constant(files)
+    seed = tf.constant(seed, tf.int64)
+
+    def pass_seed(epoch):
+        return tf.stack([seed, tf.cast(epoch, tf.int64)])
+
+    def order(epoch):
+        return tf.random.experimental.stateless_shuffle(
+            tf.range(len(files), dtype=tf.int64), seed=pass_seed(epoch)
+        )
+
+    def shuffled(seed_of_pass, index, records):
+        size = tf.shape(tf.nest.flatten(records)[0], out_type=tf.int64)[0]
+        permutation = tf.random.experimental.stateless_shuffle(
+            tf.range(size), seed=tf.random.experimental.stateless_fold_in(seed_of_pass, index)
+        )
+        return tf.data.Dataset.from_tensor_slices(
+            tf.nest.map_structure(lambda r: tf.gather(r, permutation), records)
+        )
+
+    def one_pass(epoch, skip_files=0, skip_records=0, first_block=0):
+        records = reader(tf.gather(names, order(epoch)[skip_files:]))
+        if shard is not None:
+            records = records.shard(*shard)
+        blocks = records.skip(skip_records).batch(block).enumerate(start=first_block)
+        seed_of_pass = pass_seed(epoch)
+        return blocks.flat_map(lambda i, records: shuffled(seed_of_pass, i, records))
+
+    epoch = skip_files = skip_records = first_block = within = 0
+    if start:
+        counts = count_records(files, reader)
+        total = sum(counts)
+        per_pass = total if shard is None else len(range(shard[1], total, shard[0]))
+        if per_pass == 0:
+            raise ValueError(f"{', '.join(files)}: no records to train on.")
+        epoch, offset = divmod(start, per_pass)
+        first_block, within = divmod(offset, block)
+        skip_records = first_block * block
+        if shard is None:  # whole files first, without reading them
+            for i in order(epoch).numpy():
+                if skip_records < counts[i]:
+                    break
+                skip_records -= counts[i]
+                skip_files += 1
+    first = one_pass(tf.constant(epoch, tf.int64), skip_files, skip_records, first_block)
+    later = tf.data.Dataset.range(epoch + 1, 2**62).flat_map(one_pass)
+    return first.skip(within).concatenate(later)
+
+
+def _records(split, files, reader, seed, start, shard):
+    """The records of a split: the training stream, or the files once."""
+    if split == "train":
+        return training_records(files, reader, seed, start, shard)
+    return _read(files, reader, shard)
 
 
 def _files(pattern):
@@ -115,10 +192,13 @@ class Task:
         """One batch `(x, y[, sample_weight])` of random tensors."""
         raise NotImplementedError
 
-    def dataset(self, split, batch_size, seed, shard=None):
+    def dataset(self, split, batch_size, seed, shard=None, start=0):
         """The `train` or `validation` dataset from the config's input
         files, batched; None where the config names no files for `split`.
 
+        `train` is the endless stream of `training_records` fixed by `seed`,
+        from its record `start` on (a run resumed after n batches of b
+        examples passes n * b); `validation` reads the files once, in order.
         `shard = (count, index)` reads input pipeline `index` of `count`
         (one per worker of a multi-worker run): every count-th file from
         `index` where there are at least `count` files, else every count-th
@@ -294,13 +374,11 @@ class BertPretraining(Task):
         features["next_sentence_labels"] = tf.reshape(features["next_sentence_labels"], [])
         return self._example(features)
 
-    def dataset(self, split, batch_size, seed, shard=None):
+    def dataset(self, split, batch_size, seed, shard=None, start=0):
         path = self.input_path(split)
         if path is None:
             return None
-        ds = _read(_files(path), tf.data.TFRecordDataset, shard)
-        if split == "train":
-            ds = _reshuffled_passes(ds, seed)
+        ds = _records(split, _files(path), tf.data.TFRecordDataset, seed, start, shard)
         ds = ds.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE)
         return ds.batch(batch_size, drop_remainder=self._drop_remainder(split)).prefetch(
             tf.data.AUTOTUNE
@@ -397,37 +475,36 @@ class ImageClassification(Task):
         )
         return self._one_hot(images, labels)
 
-    def dataset(self, split, batch_size, seed, shard=None):
+    def dataset(self, split, batch_size, seed, shard=None, start=0):
         path = self.input_path(split)
         if path is None:
             return None
         training = split == "train"
         if self.cifar:
-            ds = self._cifar(path, training)
-            if shard is not None:
-                ds = ds.shard(*shard)
+            files, reader, decode = self._cifar(path, training)
         else:
-            ds = _read(_files(path), tf.data.TFRecordDataset, shard).map(
-                self._decode_imagenet, num_parallel_calls=tf.data.AUTOTUNE
-            )
+            files, reader, decode = _files(path), tf.data.TFRecordDataset, self._decode_imagenet
         preprocess = self._preprocess_cifar if self.cifar else self._preprocess_imagenet
         if training:
             # Example i of the stream is cropped and flipped by the seed
             # (seed, i): the same augmentation in every iterator and in a
             # resumed run, whatever order the parallel map runs in.
-            ds = _reshuffled_passes(ds, seed).enumerate()
-            ds = ds.map(
-                lambda index, example: self._one_hot(
-                    preprocess(example[0], tf.stack([tf.constant(seed, tf.int64), index])),
-                    example[1],
-                ),
-                num_parallel_calls=tf.data.AUTOTUNE,
-            )
+            ds = training_records(files, reader, seed, start, shard).enumerate(start=start)
+
+            def example(index, record):
+                image, label = decode(record)
+                return self._one_hot(
+                    preprocess(image, tf.stack([tf.constant(seed, tf.int64), index])), label
+                )
+
         else:
-            ds = ds.map(
-                lambda image, label: self._one_hot(preprocess(image, None), label),
-                num_parallel_calls=tf.data.AUTOTUNE,
-            )
+            ds = _read(files, reader, shard)
+
+            def example(record):
+                image, label = decode(record)
+                return self._one_hot(preprocess(image, None), label)
+
+        ds = ds.map(example, num_parallel_calls=tf.data.AUTOTUNE)
         return ds.batch(batch_size, drop_remainder=self._drop_remainder(split)).prefetch(
             tf.data.AUTOTUNE
         )
@@ -498,7 +575,10 @@ class ImageClassification(Task):
     def _cifar(self, path, training):
         """CIFAR-10 from a folder with the binary batches
         (`data_batch_1.bin`..., `test_batch.bin`) or the python ones
-        (`data_batch_1`..., `test_batch`)."""
+        (`data_batch_1`..., `test_batch`): (files, reader, decode), where
+        `reader(files)` reads records and `decode(record)` makes an
+        (image, label) of one. The python batches are read at once, as one
+        "file" of all their records."""
         if not path or not os.path.isdir(path):
             raise FileNotFoundError(
                 f"task.*_data.input_path must be a folder of CIFAR-10 batches. Received: {path!r}"
@@ -507,8 +587,11 @@ class ImageClassification(Task):
         binary = [os.path.join(path, f"{n}.bin") for n in names]
         python = [os.path.join(path, n) for n in names]
         if all(os.path.exists(f) for f in binary):
-            ds = tf.data.FixedLengthRecordDataset(binary, CIFAR_RECORD_BYTES)
-            return ds.map(_decode_cifar_record, num_parallel_calls=tf.data.AUTOTUNE)
+            return (
+                binary,
+                lambda files: tf.data.FixedLengthRecordDataset(files, CIFAR_RECORD_BYTES),
+                _decode_cifar_record,
+            )
         if all(os.path.exists(f) for f in python):
             images, labels = [], []
             for f in python:
@@ -516,8 +599,15 @@ class ImageClassification(Task):
                     batch = pickle.load(handle, encoding="bytes")
                 images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32))
                 labels.append(np.asarray(batch[b"labels"], np.int32))
-            images = np.concatenate(images).transpose(0, 2, 3, 1)
-            return tf.data.Dataset.from_tensor_slices((images, np.concatenate(labels)))
+            records = {
+                "image": np.concatenate(images).transpose(0, 2, 3, 1),
+                "label": np.concatenate(labels),
+            }
+            return (
+                [path],
+                lambda _: tf.data.Dataset.from_tensor_slices(records),
+                lambda record: (record["image"], record["label"]),
+            )
         expected = ", ".join(os.path.basename(b) for b in binary)
         raise FileNotFoundError(
             f"{path} has neither CIFAR-10's binary batches ({expected}) nor its python batches."
@@ -634,13 +724,11 @@ class Dlrm(Task):
         features = {"dense_features": dense, "sparse_features": tf.cast(sparse, tf.int32)}
         return features, label
 
-    def dataset(self, split, batch_size, seed, shard=None):
+    def dataset(self, split, batch_size, seed, shard=None, start=0):
         path = self.input_path(split)
         if path is None:
             return None
-        ds = _read(_files(path), tf.data.TextLineDataset, shard)
-        if split == "train":
-            ds = _reshuffled_passes(ds, seed)
+        ds = _records(split, _files(path), tf.data.TextLineDataset, seed, start, shard)
         ds = ds.batch(batch_size, drop_remainder=self._drop_remainder(split))
         return ds.map(self._parse_lines, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
             tf.data.AUTOTUNE
