@@ -246,24 +246,37 @@ def run(weights, rule, gradients):
 
 
 class VRReference:
-    """VR optimizer reference: GSNR scaling, then the base `rule` on ghat."""
+    """VR optimizer reference: GSNR scaling, then the base `rule` on ghat.
 
-    def __init__(self, weights, rule, gamma, beta_3, epsilon=1e-6):
+    With `gsnr_interval = N` (docs/algorithms.md §7) the scale is measured
+    at updates 1, N + 1, 2N + 1, ... only, the momentum's bias correction
+    counting those; the updates between apply the last measured scale.
+    """
+
+    def __init__(self, weights, rule, gamma, beta_3, epsilon=1e-6, gsnr_interval=1):
         self.weights = [np.asarray(w, np.float64) for w in weights]
         self.slots = [[np.zeros_like(w) for _ in range(rule.slot_count)] for w in self.weights]
         self.p = [np.zeros_like(w) for w in self.weights]
         self.rule, self.gamma, self.beta_3, self.epsilon = rule, gamma, beta_3, epsilon
+        self.interval = gsnr_interval
+        self.last = [None] * len(self.weights)
         self.t = 0
+        self.measured = 0
 
     def update(self, samples_per_variable):
         """samples_per_variable[i]: array [k, *shape] of variable i."""
         self.t += 1
+        measure = (self.t - 1) % self.interval == 0
+        self.measured += measure
         for i, samples in enumerate(samples_per_variable):
-            r, mean = gsnr_scale(samples, self.gamma, self.epsilon)
-            if self.beta_3 > 0:
-                self.p[i] = self.beta_3 * self.p[i] + (1 - self.beta_3) * r
-                r = self.p[i] / (1 - self.beta_3**self.t)
+            mean = np.asarray(samples, np.float64).mean(axis=0)
+            if measure:
+                r, _ = gsnr_scale(samples, self.gamma, self.epsilon)
+                if self.beta_3 > 0:
+                    self.p[i] = self.beta_3 * self.p[i] + (1 - self.beta_3) * r
+                    r = self.p[i] / (1 - self.beta_3**self.measured)
+                self.last[i] = r
             self.weights[i], self.slots[i] = self.rule.step(
-                i, self.weights[i], r * mean, self.slots[i], self.t
+                i, self.weights[i], self.last[i] * mean, self.slots[i], self.t
             )
         return self.weights

@@ -49,6 +49,9 @@ _VR_ARGUMENTS = """\
             Algorithm 1). Defaults to {beta_3}.
         gsnr_epsilon: Float > 0, the variance floor relative to the second
             moment. Defaults to 1e-6.
+        gsnr_interval: Int >= 1, measure the GSNR at updates 1, N + 1,
+            2N + 1, ... only; the updates between reduce the gradient alone
+            and apply the last scale. Defaults to 1 (every update).
         jit_update: Bool, XLA-compile the update (one program per device
             for the variables over 2^14 elements) and, with accumulation,
             the micro-step sums. Defaults to True.
@@ -78,7 +81,16 @@ class GSNRMixin:
     `_init_gsnr` from `__init__` and list this mixin before the base
     optimizer class."""
 
-    def _init_gsnr(self, gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics=False):
+    def _init_gsnr(
+        self,
+        gamma,
+        beta_3,
+        gsnr_epsilon,
+        jit_update,
+        track_gsnr_statistics=False,
+        gsnr_interval=1,
+    ):
+        self.gsnr_interval = _validation.check_integer("gsnr_interval", gsnr_interval, low=1)
         self.gamma = _validation.check_number("gamma", gamma, low=0.0, high=1.0, low_open=True)
         self.beta_3 = _validation.check_number("beta_3", beta_3, low=0.0, high=1.0, high_open=True)
         self.gsnr_epsilon = _validation.check_number(
@@ -121,6 +133,13 @@ class GSNRMixin:
         float32_slots = functools.partial(self._float32_slots, var_list)
         self._gsnr_momentums = (
             float32_slots("gsnr_momentum") if self.beta_3 > 0 else [None] * len(var_list)
+        )
+        # The scale of the last GSNR update, applied until the next one;
+        # with a GSNR momentum, the momentum serves.
+        self._gsnr_scales = (
+            float32_slots("gsnr_scale")
+            if self.gsnr_interval > 1 and self.beta_3 == 0
+            else [None] * len(var_list)
         )
         if self.gradient_accumulation_steps:
             # Each replica accumulates its own micro-steps: the samples g_d
@@ -190,8 +209,19 @@ class GSNRMixin:
         if self.gradient_accumulation_steps:
             is_update_step = self._is_update_step()
             sums, squares, samples = self._accumulate(grads, indices)
-        else:
+        elif self.gsnr_interval == 1:
             sums, squares, samples = grads, [tf.square(g) for g in grads], None
+        else:
+            # Squared only for a GSNR update (an empty stand-in otherwise).
+            squares = tf.cond(
+                self._is_gsnr_update(),
+                lambda: [tf.square(g) for g in grads],
+                lambda: [tf.zeros([0]) for _ in grads],
+            )
+            for square, gradient in zip(squares, grads):
+                # Read in the GSNR branch of `_cross_replica_update` only.
+                square.set_shape(gradient.shape)
+            sums, samples = grads, None
         replica_context.merge_call(
             self._cross_replica_update,
             args=(sums, squares, samples, list(trainable_variables), indices),
@@ -214,15 +244,25 @@ class GSNRMixin:
         B/param in fp32) in one XLA call for all variables, unless
         `jit_update` is False.
         """
-        self._moment_accumulation(tuple(indices))(grads)
+        accumulate = self._moment_accumulation(tuple(indices), squares=True)
+        if self.gsnr_interval == 1:
+            accumulate(grads)
+        else:
+            # No square is taken for an update that does not measure the GSNR.
+            tf.cond(
+                self._is_gsnr_update(),
+                lambda: accumulate(grads),
+                lambda: self._moment_accumulation(tuple(indices), squares=False)(grads),
+            )
         sums = [self._accumulated_gradients[i].value.read_value() for i in indices]
         squares = [self._accumulated_squares[i].value.read_value() for i in indices]
         return sums, squares, self._accumulated_samples.value.read_value()
 
-    def _moment_accumulation(self, indices):
+    def _moment_accumulation(self, indices, squares):
         """``sum += g_d; squares += g_d^2; samples += 1`` for the variables
-        at `indices`, with ``g_d = R * g`` (Keras scales a replica's loss by
-        1/R), made once per set of variables like `_device_update`.
+        at `indices` (without the squares unless `squares`), with ``g_d = R *
+        g`` (Keras scales a replica's loss by 1/R), made once per set of
+        variables like `_device_update`.
 
         The slots are captured, not passed: a captured on-read slot is this
         replica's copy, and a trace is made per replica device. (Passed as
@@ -230,8 +270,9 @@ class GSNRMixin:
         function shared by several optimizers would write to the slots it
         was first traced with.)
         """
-        if indices in self._moment_accumulations:
-            return self._moment_accumulations[indices]
+        if (indices, squares) in self._moment_accumulations:
+            return self._moment_accumulations[(indices, squares)]
+        with_squares = squares
         sum_slots = [self._accumulated_gradients[i] for i in indices]
         square_slots = [self._accumulated_squares[i] for i in indices]
         samples = self._accumulated_samples
@@ -241,18 +282,26 @@ class GSNRMixin:
             for gradient, sum_slot, square_slot in zip(grads, sum_slots, square_slots):
                 sample = gradient * float(replicas) if replicas > 1 else gradient
                 sum_slot.assign_add(sample)
-                square_slot.assign_add(tf.square(sample))
+                if with_squares:
+                    square_slot.assign_add(tf.square(sample))
             samples.assign_add(1.0)
 
         if self.jit_update:
             accumulate = tf.function(accumulate, jit_compile=True)
-        self._moment_accumulations[indices] = accumulate
+        self._moment_accumulations[(indices, squares)] = accumulate
         return accumulate
 
     def _reset_accumulators(self, indices):
-        for index in indices:
-            for slot in (self._accumulated_gradients[index], self._accumulated_squares[index]):
+        def reset(slots):
+            for slot in slots:
                 slot.assign(tf.zeros(slot.shape, slot.dtype))
+
+        reset(self._accumulated_gradients[i] for i in indices)
+        squares = [self._accumulated_squares[i] for i in indices]
+        if self.gsnr_interval == 1:
+            reset(squares)
+        else:  # the squares hold sums at GSNR updates only
+            tf.cond(self._is_gsnr_update(), lambda: reset(squares), lambda: None)
         self._accumulated_samples.assign(0.0)
 
     def check_sample_count(self, replicas: int) -> None:
@@ -276,42 +325,68 @@ class GSNRMixin:
     def _is_update_step(self):
         return is_update_step(self)
 
+    def _is_gsnr_update(self):
+        """Whether the update in progress (t = iterations + 1) measures the
+        GSNR: t = 1, N + 1, 2N + 1, ..."""
+        return tf.equal(self.iterations % self.gsnr_interval, 0)
+
+    def _gsnr_update_count(self):
+        """GSNR updates up to and including the update in progress (the
+        GSNR momentum's bias correction counts them)."""
+        return tf.cast(self.iterations // self.gsnr_interval + 1, tf.float32)
+
     def _cross_replica_update(self, distribution, sums, squares, samples, variables, indices):
         tf_variables = [_tf_variable(v) for v in variables]
 
-        def update():
+        def update(measure):
             # One collective for both sums of every variable (and, with
-            # accumulation, the sample count).
-            values = list(zip(sums + squares, tf_variables + tf_variables))
+            # accumulation, the sample count); between GSNR updates, for the
+            # gradient sums alone.
+            moments = sums + squares if measure else sums
+            values = list(zip(moments, tf_variables * (len(moments) // len(tf_variables))))
             if samples is not None:
                 values.append((samples, tf_variables[0]))
             reduced = distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, values)
             count = len(tf_variables)
-            sample_count = reduced[2 * count] if samples is not None else None
+            sample_count = reduced[len(moments)] if samples is not None else None
             learning_rate = tf.convert_to_tensor(self.learning_rate)
-            step = tf.cast(self.iterations + 1, tf.float32)
+            device_update = (
+                self._device_update(tuple(indices))
+                if measure
+                else self._device_scale_update(tuple(indices))
+            )
             # `fn` runs once per device holding the variables, inside that
             # device's update context: one compiled program per device updates
             # all of that device's copies.
             distribution.extended.update_non_slot(
                 distribution.extended.non_slot_devices(tf_variables),
-                self._device_update(tuple(indices)),
+                device_update,
                 args=(
                     reduced[:count],
-                    reduced[count : 2 * count],
+                    reduced[count : 2 * count] if measure else None,
                     sample_count,
                     learning_rate,
-                    step,
+                    self._gsnr_update_count(),
                     distribution.num_replicas_in_sync,
                 ),
                 group=False,
             )
 
+        def gsnr_or_scale_update():
+            if self.gsnr_interval == 1:
+                update(True)
+            else:
+                tf.cond(
+                    self._is_gsnr_update(),
+                    lambda: update(True),
+                    lambda: update(False),
+                )
+
         if not self.gradient_accumulation_steps:
-            update()
+            gsnr_or_scale_update()
         else:
             # In cross-replica context, so that no merge_call sits in a cond.
-            tf.cond(self._is_update_step(), update, lambda: None)
+            tf.cond(self._is_update_step(), gsnr_or_scale_update, lambda: None)
 
     def _device_update(self, indices):
         """The VR update of the variables at `indices` on one device, made
@@ -358,6 +433,58 @@ class GSNRMixin:
         self._variable_updates[indices] = device_update
         return device_update
 
+    def _device_scale_update(self, indices):
+        """The update of the variables at `indices` between GSNR updates, on
+        one device: the mean gradient from the reduced sums, times the scale
+        of the last GSNR update (its `gsnr_scale` slot, or with beta_3 > 0
+        the GSNR momentum over the correction, which counts GSNR updates),
+        then the base rule. Split by size like `_device_update`: the large
+        variables in one XLA program, the small ones as Keras runs them."""
+        key = ("scale", indices)
+        if key in self._variable_updates:
+            return self._variable_updates[key]
+        sizes = [variable_size(self._trainable_variables[i]) for i in indices]
+        fused = [j for j, size in enumerate(sizes) if size > PACKED_MAX_ELEMENTS]
+        packed = [j for j, size in enumerate(sizes) if size <= PACKED_MAX_ELEMENTS]
+
+        def updates_of(positions):
+            targets = []
+            for j in positions:
+                keras_variable = self._trainable_variables[indices[j]]
+                targets.append(
+                    (
+                        _tf_variable(keras_variable),
+                        bool(self.weight_decay) and self._use_weight_decay(keras_variable),
+                        self._gsnr_scales[indices[j]],
+                        self._gsnr_momentums[indices[j]],
+                    )
+                )
+
+            def scale_update(sums, samples, learning_rate, gsnr_updates, replicas):
+                correction = functional.gsnr_momentum_correction(self.beta_3, gsnr_updates)
+                for (variable, decays, scale_slot, momentum_slot), total in zip(targets, sums):
+                    gradient_mean = total if samples is None else total / samples
+                    if momentum_slot is not None:
+                        applied = momentum_slot / correction
+                    else:
+                        applied = scale_slot
+                    self._apply_base_rule(variable, decays, applied * gradient_mean, learning_rate)
+
+            return scale_update
+
+        fused_update = updates_of(fused)
+        if self.jit_update:
+            fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
+        packed_update = updates_of(packed)
+
+        def device_update(sums, squares, *scalars):
+            for update, positions in ((fused_update, fused), (packed_update, packed)):
+                if positions:
+                    update([sums[j] for j in positions], *scalars)
+
+        self._variable_updates[key] = device_update
+        return device_update
+
     def _shared_scalars(self, step):
         """Scalars shared by every variable of an update: one constant each
         in the program, not one per variable."""
@@ -387,6 +514,7 @@ class GSNRMixin:
             for i in indices
         ]
         momentum_slots = [self._gsnr_momentums[i] for i in indices]
+        scale_slots = [self._gsnr_scales[i] for i in indices]
         statistics_slots = [self._gsnr_monitor.value[i] for i in indices]
         sizes = [variable_size(v) for v in variables]
         segment_ids = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
@@ -405,12 +533,13 @@ class GSNRMixin:
                 gsnr, segments, sizes, hyper["gamma"]
             )
             applied = scale
+            if scale_slots[0] is not None:
+                _assign_split(scale_slots, scale, sizes)
             if momentum_slots[0] is not None:
                 momentum, applied = functional.corrected_gsnr_momentum(
                     flatten(momentum_slots), scale, hyper["beta_3"], hyper["correction"]
                 )
-                for slot, value in zip(momentum_slots, tf.split(momentum, sizes)):
-                    slot.assign(tf.reshape(value, slot.shape))
+                _assign_split(momentum_slots, momentum, sizes)
             if statistics_slots[0] is not None:
                 rows = functional.segment_gsnr_statistics(
                     layer_means, scale, applied, segments, sizes, self.gamma
@@ -432,6 +561,7 @@ class GSNRMixin:
         variable = _tf_variable(keras_variable)
         decays = bool(self.weight_decay) and self._use_weight_decay(keras_variable)
         gsnr_momentum_slot = self._gsnr_momentums[index]
+        scale_slot = self._gsnr_scales[index]
         statistics_slot = self._gsnr_monitor.value[index]
 
         def vr_update(sum_of_gradients, sum_of_squares, samples, learning_rate, hyper, replicas):
@@ -441,6 +571,8 @@ class GSNRMixin:
             gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
             scale = functional.normalized_clipped_gsnr(gsnr, hyper["gamma"])
             applied = scale
+            if scale_slot is not None:
+                scale_slot.assign(scale)
             if gsnr_momentum_slot is not None:
                 momentum, applied = functional.corrected_gsnr_momentum(
                     gsnr_momentum_slot, scale, hyper["beta_3"], hyper["correction"]
@@ -530,6 +662,7 @@ class GSNRMixin:
             "gsnr_epsilon": self.gsnr_epsilon,
             "jit_update": self.jit_update,
             "track_gsnr_statistics": self.track_gsnr_statistics,
+            "gsnr_interval": self.gsnr_interval,
         }
 
 
@@ -538,6 +671,12 @@ def find_vr_optimizer(optimizer: keras.optimizers.Optimizer | None) -> GSNRMixin
     while optimizer is not None and not isinstance(optimizer, GSNRMixin):
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return optimizer
+
+
+def _assign_split(slots, flat, sizes):
+    """Assigns the consecutive pieces of `flat` of `sizes` to `slots`."""
+    for slot, value in zip(slots, tf.split(flat, sizes)):
+        slot.assign(tf.reshape(value, slot.shape))
 
 
 def _moments(sum_of_gradients, sum_of_squares, samples, replicas):

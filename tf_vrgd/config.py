@@ -493,6 +493,7 @@ FIELD_CHECKS = {
     "gamma": _number(0.0, 1.0, low_open=True),
     "beta_3": _UNIT_INTERVAL,
     "gsnr_epsilon": _POSITIVE,
+    "gsnr_interval": _integer(1),
     "jit_update": _validation.check_bool,
     "track_gsnr_statistics": _validation.check_bool,
     "decay": _NON_NEGATIVE,

@@ -39,6 +39,7 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
         gsnr_epsilon: float = 1e-6,
         jit_update: bool = True,
         track_gsnr_statistics: bool = False,
+        gsnr_interval: int = 1,
         **kwargs,
     ) -> None:
         _validation.check_learning_rate(learning_rate)
@@ -48,7 +49,9 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
         super().__init__(
             learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, **kwargs
         )
-        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics)
+        self._init_gsnr(
+            gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics, gsnr_interval
+        )
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}

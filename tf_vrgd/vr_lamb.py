@@ -40,6 +40,7 @@ class VRLAMB(GSNRMixin, LAMB):
         gsnr_epsilon: float = 1e-6,
         jit_update: bool = True,
         track_gsnr_statistics: bool = False,
+        gsnr_interval: int = 1,
         **kwargs,
     ) -> None:
         super().__init__(
@@ -52,7 +53,9 @@ class VRLAMB(GSNRMixin, LAMB):
             exclude_from_layer_adaptation=exclude_from_layer_adaptation,
             **kwargs,
         )
-        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics)
+        self._init_gsnr(
+            gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics, gsnr_interval
+        )
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}

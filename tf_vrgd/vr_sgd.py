@@ -45,6 +45,7 @@ class VRSGD(GSNRMixin, keras.optimizers.SGD):
         gsnr_epsilon: float = 1e-6,
         jit_update: bool = True,
         track_gsnr_statistics: bool = False,
+        gsnr_interval: int = 1,
         **kwargs,
     ) -> None:
         _validation.check_learning_rate(learning_rate)
@@ -53,7 +54,9 @@ class VRSGD(GSNRMixin, keras.optimizers.SGD):
         super().__init__(
             learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs
         )
-        self._init_gsnr(gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics)
+        self._init_gsnr(
+            gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics, gsnr_interval
+        )
 
     def get_config(self):
         return {**super().get_config(), **self._gsnr_config()}
