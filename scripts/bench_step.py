@@ -2,6 +2,8 @@
 
     python scripts/bench_step.py                     # everything
     python scripts/bench_step.py --pairs Adam --kinds update --models mlp
+    python scripts/bench_step.py --models resnet50 encoder --setups mirrored \
+        --pairs Adam LAMB --kinds "train step" --gsnr-intervals 1 4 16
 
 Prints, per model and device set-up, the median seconds per call of each
 optimizer (interleaved repetitions, one process), the VR/base ratios, the
@@ -75,6 +77,19 @@ def parse_args(argv=None):
         "--statistics",
         action="store_true",
         help="also time each VR optimizer with track_gsnr_statistics=True",
+    )
+    parser.add_argument(
+        "--gsnr-intervals",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="also time each VR twin with gsnr_interval = N for every N > 1 listed",
+    )
+    parser.add_argument(
+        "--no-xla",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time each VR twin without XLA too (--no-no-xla skips it)",
     )
     return parser.parse_args(argv)
 

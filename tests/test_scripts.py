@@ -154,3 +154,30 @@ def test_bench_step_measures_every_kind_with_accumulation():
     first, _, train = rows[:3]
     assert first["seconds"]["vr"] > train["seconds"]["vr"]
     assert lines[0].startswith("memory copy bandwidth")
+
+
+def test_bench_step_times_each_gsnr_interval():
+    import keras
+
+    import tf_vrgd
+    from tf_vrgd.experiments import benchmark
+
+    settings = benchmark.Settings(
+        setups=["accumulation"],
+        models=["mlp"],
+        mlp_parameters=20_000,
+        pairs=["Momentum"],
+        kinds=["update"],
+        steps=1,
+        repeats=1,
+        batch=8,
+        gsnr_intervals=[1, 4],
+        no_xla=False,
+    )
+    (row,) = benchmark.measure(settings, report=lambda row: None)
+    assert set(row["seconds"]) == {"base", "vr", "vr N=4"}
+    assert "vr N=4/base" in benchmark.format_row(row)
+    # An update's all-reduce: the gradient, and the squares one update in N.
+    assert benchmark.collective_bytes(keras.optimizers.Adam(), 1000) == 4000
+    assert benchmark.collective_bytes(tf_vrgd.VRAdam(), 1000) == 8000
+    assert benchmark.collective_bytes(tf_vrgd.VRAdam(gsnr_interval=4), 1000) == 5000

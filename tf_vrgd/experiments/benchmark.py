@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import dataclasses
 import functools
 import gc
+import math
 import statistics
 import time
 
@@ -298,6 +299,10 @@ class Settings:
     first_step_rounds: int = 3
     mlp_parameters: int = 10_000_000
     statistics: bool = False
+    # Each N > 1 adds the twin with gsnr_interval = N; the timed calls of
+    # every candidate are then a whole number of the largest N's cycles.
+    gsnr_intervals: Sequence[int] = (1,)
+    no_xla: bool = True
 
 
 MODEL_FACTORIES = {
@@ -415,7 +420,15 @@ def measure(settings, gpus=(), report=print):
                     "vr": functools.partial(make_vr, **extra),
                 }
                 if pair_name != "LARC":
-                    factories["vr no-xla"] = functools.partial(make_vr, jit_update=False, **extra)
+                    if settings.no_xla:
+                        factories["vr no-xla"] = functools.partial(
+                            make_vr, jit_update=False, **extra
+                        )
+                    for interval in settings.gsnr_intervals:
+                        if interval > 1:
+                            factories[f"vr N={interval}"] = functools.partial(
+                                make_vr, gsnr_interval=interval, **extra
+                            )
                     if settings.statistics:
                         factories["vr statistics"] = functools.partial(
                             make_vr, track_gsnr_statistics=True, **extra
@@ -446,16 +459,24 @@ def measure(settings, gpus=(), report=print):
                     Candidate(name, factory, make_model, strategy, batch)
                     for name, factory in factories.items()
                 ]
+                cycle = max(settings.gsnr_intervals) if pair_name != "LARC" else 1
+                updates = math.ceil(settings.steps / cycle) * cycle
                 for kind in steady:
                     seconds = compare(
                         candidates,
                         kind,
-                        settings.steps * calls_per_update,
+                        updates * calls_per_update,
                         settings.repeats,
-                        warmup=2 * calls_per_update + 1,
+                        # Starts every timing at a GSNR update of each N.
+                        warmup=(math.ceil(2 / cycle) * cycle) * calls_per_update,
                     )
                     seconds = {k: v * calls_per_update for k, v in seconds.items()}
                     rows.append({**row, "kind": kind, "seconds": seconds})
+                    if not extra:
+                        rows[-1]["collective_bytes"] = {
+                            name: collective_bytes(candidate.optimizer, params)
+                            for name, candidate in zip(factories, candidates)
+                        }
                     if kind == "update":
                         base_bytes, vr_bytes = _update_bytes(
                             pair_name,
@@ -470,6 +491,15 @@ def measure(settings, gpus=(), report=print):
                 del candidates
                 gc.collect()
     return rows
+
+
+def collective_bytes(optimizer, parameters):
+    """Mean bytes per replica an update all-reduces (float32): the
+    gradient, and for a VR optimizer its squares at one update in
+    `gsnr_interval`."""
+    interval = getattr(optimizer, "gsnr_interval", None)
+    squares = 0.0 if interval is None else 1.0 / interval
+    return 4.0 * parameters * (1.0 + squares)
 
 
 def format_row(row):
@@ -487,6 +517,14 @@ def format_row(row):
         line += (
             f"  no-xla/base {seconds['vr no-xla'] / seconds['base']:5.2f}"
             f"  xla/no-xla {seconds['vr'] / seconds['vr no-xla']:5.2f}"
+        )
+    for name, value in seconds.items():
+        if name.startswith("vr N="):
+            line += f"  {name}/base {value / seconds['base']:5.2f}"
+    if "collective_bytes" in row:
+        sent = row["collective_bytes"]
+        line += "  all-reduce MB/update " + " ".join(
+            f"{name} {value / 1e6:.1f}" for name, value in sent.items()
         )
     if "vr statistics" in seconds:
         line += f"  statistics on/off {seconds['vr statistics'] / seconds['vr']:5.2f}"
