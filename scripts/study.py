@@ -5,7 +5,9 @@ docs/RESULTS.md ("What the VR gains are made of").
     python scripts/study.py --output runs/study --report   # the tables only
 
 On Fashion-MNIST (the CNN of configs/fashion_mnist at the width given), for
-the Momentum and Adam pairs at global batches 4096 and 8192, every run the
+the Momentum, Adam, LARS and LAMB pairs (`--pairs`; LARS and LAMB sweep the
+learning rate at the configs' trust coefficient eeta = 0.001 and LAMB's
+fixed trust ratio) at global batches 4096 and 8192, every run the
 same number of epochs (default 30) with the config's schedule (warm-up,
 cosine decay) stretched to it, in four parts:
 
@@ -13,7 +15,10 @@ cosine decay) stretched to it, in four parts:
    square-root-scaled rate, seed 0. Where a best rate sits at the grid's
    edge, widen it for that pair (`--pairs adam --lr-multipliers 8 16
    --parts grid`); tables and best rates take every grid rate run.
-2. `seeds`: each optimizer's best rate of part 1 again with seed 1.
+2. `seeds`: each optimizer's best rate of part 1 again with seeds 1 to
+   `--seeds` - 1 (default 2 seeds in all); the report pairs each twin with
+   its base by seed (the same initial weights and data order) and gives
+   the mean difference with its 95% t interval.
 3. `effective`: each base at its twin's effective rate, the twin's best
    rate x the twin's mean applied GSNR scale over its run (the
    `gsnr_scale` statistic), seeds 0 and 1: does the twin beat its base run
@@ -43,7 +48,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAIRS = ("momentum", "adam")
+PAIRS = ("momentum", "adam", "lars", "lamb")
 PARTS = ("grid", "seeds", "effective", "samples")
 
 
@@ -62,6 +67,9 @@ def parse_args(argv=None):
     parser.add_argument("--samples", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument(
         "--samples-batch", type=int, default=None, help="batch of part 4 (default: the largest)"
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=2, help="seeds 0..N-1 at the best rates (part 2)"
     )
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     parser.add_argument("--data-dir", default=None)
@@ -183,6 +191,8 @@ def best_grid_rows(results, args):
             continue
         if row["batch"] not in args.batches:
             continue
+        if row["optimizer"].removeprefix("vr_") not in args.pairs:
+            continue
         slot = (row["optimizer"], row["batch"])
         if slot not in best or _score(row) > _score(best[slot]):
             best[slot] = row
@@ -195,7 +205,11 @@ def _score(row):
 
 
 def seeds(results, args):
-    return [{**_run_fields(row), "seed": 1} for row in best_grid_rows(results, args).values()]
+    return [
+        {**_run_fields(row), "seed": seed}
+        for row in best_grid_rows(results, args).values()
+        for seed in range(1, args.seeds)
+    ]
 
 
 def effective(results, args):
@@ -298,7 +312,62 @@ def report(results, args):
     for (name, batch), row in sorted(best.items()):
         if name.startswith("vr_") and batch == (args.samples_batch or max(args.batches)):
             lines.append(_summary_line(f"{name} b{batch} k={k} (part 1)", [row]))
+    lines += [
+        "5. twin minus base at their best rates, paired by seed (same initial weights and "
+        "data order): mean, sample standard deviation and 95% t interval, in points",
+        "",
+    ]
+    for batch in args.batches:
+        for pair in args.pairs:
+            text = _paired_line(results, best, pair, batch)
+            if text:
+                lines.append(text)
+    lines.append("")
+
     return "\n".join(lines)
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1 to 9).
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
+
+
+def paired_difference(twin, base):
+    """(mean, sample sd, 95% half-width) of twin - base over the seeds both
+    have, from {seed: accuracy} mappings; sd and half-width are nan for
+    fewer than 2 seeds."""
+    seeds = sorted(set(twin) & set(base))
+    diffs = [twin[s] - base[s] for s in seeds]
+    if not diffs:
+        return None
+    mean = stats.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, math.nan, math.nan, seeds
+    sd = stats.stdev(diffs)
+    return mean, sd, T_975[len(diffs) - 2] * sd / math.sqrt(len(diffs)), seeds
+
+
+def _seed_accuracies(results, row):
+    return {
+        r["seed"]: r["final_test_accuracy"]
+        for r in results.values()
+        if _run_fields(r) == {**_run_fields(row), "seed": r["seed"]} and not r.get("follows")
+    }
+
+
+def _paired_line(results, best, pair, batch):
+    if (pair, batch) not in best or (f"vr_{pair}", batch) not in best:
+        return None
+    base = _seed_accuracies(results, best[(pair, batch)])
+    twin = _seed_accuracies(results, best[(f"vr_{pair}", batch)])
+    mean, sd, half, seeds = paired_difference(twin, base)
+    verdict = ""
+    if math.isfinite(half):
+        verdict = "  inside the noise" if abs(mean) <= half else "  outside the noise"
+    return (
+        f"vr_{pair} - {pair} b{batch} (seeds {', '.join(map(str, seeds))})".ljust(44)
+        + f" {mean * 100:+.2f} sd {sd * 100:.2f} 95% [{(mean - half) * 100:+.2f}, "
+        f"{(mean + half) * 100:+.2f}]{verdict}"
+    )
 
 
 def _summary_line(label, rows):

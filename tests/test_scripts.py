@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 
+import numpy as np
 import pytest
 
 from tf_vrgd.experiments import grids
@@ -181,3 +182,30 @@ def test_bench_step_times_each_gsnr_interval():
     assert benchmark.collective_bytes(keras.optimizers.Adam(), 1000) == 4000
     assert benchmark.collective_bytes(tf_vrgd.VRAdam(), 1000) == 8000
     assert benchmark.collective_bytes(tf_vrgd.VRAdam(gsnr_interval=4), 1000) == 5000
+
+
+def test_study_pairs_twin_and_base_by_seed():
+    study = _script("study")
+    twin = {0: 0.86, 1: 0.84, 2: 0.87, 3: 0.85}
+    base = {0: 0.84, 1: 0.845, 2: 0.83, 3: 0.84, 4: 0.9}  # seed 4 has no twin
+    mean, sd, half, seeds = study.paired_difference(twin, base)
+    diffs = np.array([0.02, -0.005, 0.04, 0.01])
+    assert seeds == [0, 1, 2, 3]
+    assert mean == pytest.approx(diffs.mean())
+    assert sd == pytest.approx(diffs.std(ddof=1))
+    assert half == pytest.approx(3.182 * diffs.std(ddof=1) / 2.0)
+    one = study.paired_difference({0: 0.8}, {0: 0.7})
+    assert one[0] == pytest.approx(0.1) and np.isnan(one[1]) and np.isnan(one[2])
+    # Part 2 runs seeds 1..N-1 at the best rates of the pairs asked for only.
+    args = study.parse_args(["--batches", "4096", "--pairs", "lars", "--seeds", "4"])
+    rows = [
+        _study_row("lars", 4096, 1.0, 0, 0.80),
+        _study_row("lars", 4096, 2.0, 0, 0.78),
+        _study_row("vr_lars", 4096, 2.0, 0, 0.82),
+        _study_row("momentum", 4096, 1.0, 0, 0.83),
+    ]
+    results = {study.key(r): r for r in rows}
+    runs = study.seeds(results, args)
+    assert sorted((r["optimizer"], r["lr_multiplier"], r["seed"]) for r in runs) == [
+        (name, rate, seed) for name, rate in (("lars", 1.0), ("vr_lars", 2.0)) for seed in (1, 2, 3)
+    ]
