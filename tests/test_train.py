@@ -281,6 +281,30 @@ def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
     train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
 
 
+def test_settings_mismatch_names_the_changed_fields(tmp_path):
+    """A change deep in the config shows as its dotted path with both values
+    (the whole config was cut to one 77-character prefix on both sides)."""
+    from tf_vrgd.experiments import train
+
+    settings = {
+        "config": {
+            "task": {"model": {"type": "dlrm", "embedding_dim": 128}},
+            "trainer": {"optimizer_config": {"optimizer": {"type": "vr_sgd"}}},
+        },
+        "seed": 0,
+    }
+    train.check_settings(str(tmp_path), settings, restart=False)
+    changed = json.loads(json.dumps(settings))
+    changed["config"]["trainer"]["optimizer_config"]["optimizer"]["type"] = "sgd"
+    changed["config"]["task"]["train_data"] = {"input_path": "/data/day_*"}
+    with pytest.raises(SystemExit) as raised:
+        train.check_settings(str(tmp_path), changed, restart=False)
+    message = str(raised.value)
+    assert 'config.trainer.optimizer_config.optimizer.type: "vr_sgd" then, "sgd" now' in message
+    assert 'config.task.train_data.input_path: "(unset)" then, "/data/day_*" now' in message
+    assert "embedding_dim" not in message and "seed" not in message
+
+
 def test_partial_checkpoints_are_removed(tmp_path):
     from tf_vrgd.experiments import train
 

@@ -468,13 +468,20 @@ def check_settings(output, settings, restart, write=True):
     if os.path.exists(path):
         with open(path) as f:
             recorded = json.load(f)
-        settings = json.loads(json.dumps(settings))  # as JSON reads it back
+        # Compared field by field (dotted paths into nested blocks), so that
+        # the message names the fields that changed, not the whole config.
+        recorded = _leaves(recorded)
+        settings = _leaves(json.loads(json.dumps(settings)))  # as JSON reads it back
+        missing = "(unset)"
         changed = sorted(
-            k for k in set(recorded) | set(settings) if recorded.get(k) != settings.get(k)
+            k
+            for k in set(recorded) | set(settings)
+            if recorded.get(k, missing) != settings.get(k, missing)
         )
         if changed:
             details = "; ".join(
-                f"{k}: {_short(recorded.get(k))} then, {_short(settings.get(k))} now"
+                f"{k}: {_short(recorded.get(k, missing))} then, "
+                f"{_short(settings.get(k, missing))} now"
                 for k in changed
             )
             raise SystemExit(
@@ -485,6 +492,18 @@ def check_settings(output, settings, restart, write=True):
         return
     if write:
         _replace(path, lambda f: json.dump(settings, f, indent=2, sort_keys=True))
+
+
+def _leaves(tree, prefix=""):
+    """{dotted path: value} of the non-mapping values of nested dicts."""
+    leaves = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            leaves.update(_leaves(value, f"{path}."))
+        else:
+            leaves[path] = value
+    return leaves
 
 
 def _short(value):
