@@ -468,6 +468,23 @@ def _train_on_workers(config, output, overrides, *extra, workers=2):
             "must clear --output",
         ),
         ("not json", [], "TF_CONFIG must be JSON"),
+        ('{"cluster": {"worker": ["127.0.0.1:1"]}}', [], "TF_CONFIG must be JSON"),
+        (
+            '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 1}}',
+            [],
+            r"task index 1 is out of range: cluster\['worker'\] has 1 address",
+        ),
+        (
+            '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "ps", "index": 0}}',
+            [],
+            r"task type 'ps' is not in the cluster \(worker\)",
+        ),
+        (
+            '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {}}',
+            [],
+            r"'task' must be",
+        ),
+        ('{"cluster": {"ps": ["127.0.0.1:1"]}, "task": {}}', [], "'ps' is not chief"),
     ],
 )
 def test_multi_worker_flags_are_checked(monkeypatch, tmp_path, tf_config, flags, message):

@@ -43,10 +43,10 @@ class TaskExperiment:
 
     def __init__(self, cfg, *, train_steps=None, seed=None, replicas=None, synthetic=False):
         from tf_vrgd import config
-        from tf_vrgd.experiments import tasks
+        from tf_vrgd.experiments import fields, tasks
 
         get = train._get
-        self.cfg = cfg
+        self.cfg = fields.check(cfg)
         self.task = tasks.from_config(cfg)
         block = config.optimization_block(cfg)
         kind = get(block, "optimizer.type")

@@ -23,6 +23,7 @@ import copy
 import csv
 import json
 import math
+import numbers
 import os
 import shutil
 import sys
@@ -173,15 +174,22 @@ def rescale_schedule(block, step_factor, lr_factor):
         if not fields:
             continue
         for key in step_keys:
-            if fields.get(key):
+            if isinstance(fields.get(key), numbers.Real) and fields[key]:
                 fields[key] = max(1, round(fields[key] * step_factor))
-        if fields.get("boundaries"):
-            fields["boundaries"] = [max(1, round(b * step_factor)) for b in fields["boundaries"]]
+        if isinstance(fields.get("boundaries"), list):
+            fields["boundaries"] = [
+                max(1, round(b * step_factor)) if isinstance(b, numbers.Real) else b
+                for b in fields["boundaries"]
+            ]
+        # Values that are not numbers are left to the optimization block's
+        # checks, which name the field.
         for key in rate_keys:
-            if fields.get(key) is not None:
+            if isinstance(fields.get(key), numbers.Real):
                 fields[key] = fields[key] * lr_factor
-        if fields.get("values"):
-            fields["values"] = [v * lr_factor for v in fields["values"]]
+        if isinstance(fields.get("values"), list):
+            fields["values"] = [
+                v * lr_factor if isinstance(v, numbers.Real) else v for v in fields["values"]
+            ]
     return block
 
 
@@ -203,8 +211,9 @@ class Experiment:
         self, cfg, *, batch_size=None, epochs=None, seed=None, replicas=None, train_examples=None
     ):
         from tf_vrgd import config
+        from tf_vrgd.experiments import fields
 
-        self.cfg = cfg
+        self.cfg = fields.check(cfg)
         model = _get(cfg, "task.model", {}) or {}
         if model.get("type", "fashion_mnist_cnn") != "fashion_mnist_cnn":
             raise ValueError(
@@ -468,10 +477,12 @@ def check_settings(output, settings, restart, write=True):
     if os.path.exists(path):
         with open(path) as f:
             recorded = json.load(f)
+        from tf_vrgd.experiments import fields
+
         # Compared field by field (dotted paths into nested blocks), so that
         # the message names the fields that changed, not the whole config.
-        recorded = _leaves(recorded)
-        settings = _leaves(json.loads(json.dumps(settings)))  # as JSON reads it back
+        recorded = fields.leaves(recorded)
+        settings = fields.leaves(json.loads(json.dumps(settings)))  # as JSON reads it back
         missing = "(unset)"
         changed = sorted(
             k
@@ -494,18 +505,6 @@ def check_settings(output, settings, restart, write=True):
         _replace(path, lambda f: json.dump(settings, f, indent=2, sort_keys=True))
 
 
-def _leaves(tree, prefix=""):
-    """{dotted path: value} of the non-mapping values of nested dicts."""
-    leaves = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            leaves.update(_leaves(value, f"{path}."))
-        else:
-            leaves[path] = value
-    return leaves
-
-
 def _short(value):
     text = json.dumps(value, sort_keys=True)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -518,7 +517,11 @@ def check_runs(experiment, compare):
     from tf_vrgd import config, find_vr_optimizer
 
     for name, block in experiment.runs(compare):
-        vr = find_vr_optimizer(config.optimizer_from_config(block))
+        try:
+            optimizer = config.optimizer_from_config(block)
+        except ValueError as error:
+            raise SystemExit(f"vrgd-train: run {name!r}: {error}") from None
+        vr = find_vr_optimizer(optimizer)
         if vr is not None:
             try:
                 vr.check_sample_count(experiment.replicas)
@@ -756,9 +759,12 @@ def main(argv=None):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from tf_vrgd import config
+    from tf_vrgd.experiments import fields
 
     try:
-        cfg = apply_overrides(config.load(args.config), args.override)
+        cfg = config.load(args.config)
+        fields.check_override_keys(cfg, args.override)
+        cfg = fields.check(apply_overrides(cfg, args.override))
     except ValueError as error:
         raise SystemExit(f"vrgd-train: {error}") from None
     if _get(cfg, "task.model.type", "fashion_mnist_cnn") != "fashion_mnist_cnn":
@@ -821,7 +827,8 @@ def multi_worker_cluster(args):
     if not spec:
         return ""
     try:
-        cluster = json.loads(spec)["cluster"]
+        parsed = json.loads(spec)
+        cluster, task = parsed["cluster"], parsed["task"]
     except (ValueError, KeyError, TypeError):
         raise SystemExit(
             "vrgd-train: TF_CONFIG must be JSON with a 'cluster' and a 'task', as "
@@ -834,8 +841,35 @@ def multi_worker_cluster(args):
                 "its GPUs (one replica each; a CPU-only worker is one replica)"
                 + (", and a restart must clear --output first." if flag == "--restart" else ".")
             )
+    problem = _cluster_problem(cluster, task)
+    if problem:
+        raise SystemExit(f"vrgd-train: TF_CONFIG: {problem} (TF_CONFIG={spec})")
     tasks = sum(len(addresses) for addresses in cluster.values())
     return f"{tasks} workers"
+
+
+def _cluster_problem(cluster, task):
+    """What is wrong with TF_CONFIG's `cluster` and `task`; "" if nothing."""
+    if not isinstance(cluster, dict) or not cluster:
+        return "'cluster' must map task types (chief, worker) to lists of host:port"
+    for kind, addresses in cluster.items():
+        if kind not in ("chief", "worker", "evaluator"):
+            return f"cluster task type {kind!r} is not chief, worker or evaluator"
+        if not isinstance(addresses, list) or not all(
+            isinstance(a, str) and ":" in a for a in addresses
+        ):
+            return f"cluster[{kind!r}] must be a list of host:port strings"
+    if not isinstance(task, dict) or "type" not in task or "index" not in task:
+        return "'task' must be {\"type\": ..., \"index\": ...}, this process's place in 'cluster'"
+    kind, index = task["type"], task["index"]
+    if kind not in cluster:
+        return f"task type {kind!r} is not in the cluster ({', '.join(sorted(cluster))})"
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[kind]):
+        return (
+            f"task index {index!r} is out of range: cluster[{kind!r}] has "
+            f"{len(cluster[kind])} address(es), indexed from 0"
+        )
+    return ""
 
 
 def multi_worker_strategy():

@@ -1,0 +1,105 @@
+"""Every task, trainer and runtime field `vrgd-train` reads is checked by
+name before anything trains, and an override of a key that nothing reads
+is refused with the nearest known key."""
+
+import os
+
+import pytest
+
+from tf_vrgd.experiments import fields, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER = os.path.join(ROOT, "configs", "paper", "dlrm_vr_sgd_64k.yaml")
+FASHION = os.path.join(ROOT, "configs", "fashion_mnist", "vr_adam_b1024.yaml")
+
+
+def _main(config, tmp_path, *overrides):
+    command = ["--config", config, "--output", str(tmp_path)]
+    if config == PAPER:
+        command.append("--synthetic")
+    for override in overrides:
+        command += ["--override", override]
+    with pytest.raises(SystemExit) as raised:
+        train.main(command)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("config", [PAPER, FASHION], ids=["dlrm", "fashion"])
+def test_an_unknown_override_key_is_refused_with_the_nearest(config, tmp_path):
+    message = _main(config, tmp_path, "task.train_data.global_batchsize=16")
+    assert "--override task.train_data.global_batchsize: the config has no such field" in message
+    assert "Did you mean task.train_data.global_batch_size?" in message
+
+
+def test_override_keys_the_config_lacks_but_the_task_reads_are_taken():
+    cfg = {"task": {"model": {"type": "dlrm"}}, "trainer": {"train_steps": 10}}
+    fields.check_override_keys(
+        cfg,
+        [
+            "task.model.vocab_sizes=[4, 4]",  # read by the DLRM task
+            "trainer.checkpoint_interval=5",
+            "task.validation_data.input_path=/data/day_1",
+            "task.model={}",  # a whole block
+            "trainer.optimizer_config.optimizer.vr_sgd.gsnr_interval=4",  # checked there
+        ],
+    )
+    with pytest.raises(ValueError, match=r"Did you mean task\.model\.embedding_dim"):
+        fields.check_override_keys(cfg, ["task.model.embeding_dim=8"])
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("trainer.checkpoint_interval=-1", "trainer.checkpoint_interval` must be an integer in [1"),
+        ("trainer.checkpoint_interval=0", "trainer.checkpoint_interval` must be an integer in [1"),
+        ("trainer.validation_steps=0", "trainer.validation_steps` must be an integer in [1"),
+        ("trainer.validation_steps=-1", "trainer.validation_steps` must be an integer in [1"),
+        ("trainer.train_steps=0", "trainer.train_steps` must be an integer in [1"),
+        ("task.train_data.global_batch_size=abc", "global_batch_size` must be an integer"),
+        ("task.train_data.global_batch_size=0", "global_batch_size` must be an integer in [1"),
+        ("task.train_data.global_batch_size=-8", "global_batch_size` must be an integer in [1"),
+        ("task.train_data.global_batch_size=16.7", "global_batch_size` must be an integer"),
+        ("task.model.embedding_dim=abc", "task.model.embedding_dim` must be an integer"),
+        ("task.model.vocab_sizes=[4, 0]", "task.model.vocab_sizes[1]` must be an integer in [1"),
+        ("runtime.seed=-1", "runtime.seed` must be an integer in [0"),
+        (
+            "trainer.optimizer_config.learning_rate.polynomial.initial_learning_rate=abc",
+            "initial_learning_rate",
+        ),
+    ],
+)
+def test_bad_task_and_trainer_values_are_named(override, said, tmp_path):
+    message = _main(PAPER, tmp_path, override)
+    assert message.startswith("vrgd-train: ") and said in message, message
+    assert "Traceback" not in message
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("task.train_data.global_batch_size=abc", "global_batch_size` must be an integer"),
+        ("task.model.width=abc", "task.model.width` must be an integer"),
+        ("trainer.train_steps=0", "trainer.train_steps` must be an integer in [1"),
+        (
+            "trainer.optimizer_config.learning_rate.cosine.initial_learning_rate=abc",
+            "initial_learning_rate",
+        ),
+    ],
+)
+def test_bad_fashion_mnist_values_are_named(override, said, tmp_path):
+    message = _main(FASHION, tmp_path, override)
+    assert message.startswith("vrgd-train: ") and said in message, message
+
+
+def test_checked_fields_keep_their_values():
+    cfg = {
+        "task": {
+            "train_data": {"global_batch_size": 64, "input_path": ["/a/x", "/b/y"]},
+            "model": {"input_size": [32, 32, 3]},
+        },
+        "trainer": {"train_steps": 10, "checkpoint_interval": None},
+    }
+    fields.check(cfg)
+    assert cfg["task"]["train_data"] == {"global_batch_size": 64, "input_path": "/a/x,/b/y"}
+    assert cfg["task"]["model"]["input_size"] == [32, 32, 3]
+    assert cfg["trainer"]["checkpoint_interval"] is None  # unset

@@ -1,0 +1,164 @@
+"""The task, trainer and runtime fields of an experiment config that
+`vrgd-train` reads, each with its check: one table, so that every field is
+checked by name before anything trains (the optimization block has its own
+checks in `tf_vrgd.config`), and so that `--override` can refuse a key that
+nothing reads.
+"""
+
+import difflib
+
+from tf_vrgd import _validation
+
+
+def _integer(low):
+    return lambda name, value: _validation.check_integer(name, value, low=low)
+
+
+def _number(low, high=None, high_open=False):
+    return lambda name, value: _validation.check_number(
+        name, value, low=low, high=high, high_open=high_open
+    )
+
+
+def _string(name, value):
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"`{name}` must be a non-empty string. Received: {name}={value!r}")
+    return value
+
+
+def _list_of(check, length=None):
+    def checked(name, value):
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"`{name}` must be a non-empty list. Received: {name}={value!r}")
+        if length is not None and len(value) != length:
+            raise ValueError(f"`{name}` must hold {length} values. Received: {name}={value!r}")
+        return [check(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+    return checked
+
+
+def _path_or_paths(name, value):
+    """Model Garden's `input_path`: a string (comma-separated globs)."""
+    if isinstance(value, (list, tuple)) and value:
+        return ",".join(_string(name, v) for v in value)
+    return _string(name, value)
+
+
+_POSITIVE = _integer(1)
+_PROBABILITY = _number(0.0, 1.0, high_open=True)
+
+# Dotted path -> check(name, value) returning the value to use.
+FIELDS = {
+    # trainer
+    "trainer.train_steps": _POSITIVE,
+    "trainer.checkpoint_interval": _POSITIVE,
+    "trainer.validation_steps": _POSITIVE,
+    "trainer.max_to_keep": _POSITIVE,
+    # runtime
+    "runtime.seed": _integer(0),
+    "runtime.num_gpus": _integer(0),
+    "runtime.distribution_strategy": _string,
+    "runtime.mixed_precision_dtype": _string,
+    "runtime.loss_scale": _string,
+    # data
+    "task.init_checkpoint": _string,
+    "task.losses.label_smoothing": _PROBABILITY,
+    "task.losses.l2_weight_decay": _number(0.0),
+    # the Fashion-MNIST CNN
+    "task.model.type": _string,
+    "task.model.width": _POSITIVE,
+    # BERT
+    "task.model.encoder.type": _string,
+    "task.model.encoder.bert.vocab_size": _POSITIVE,
+    "task.model.encoder.bert.hidden_size": _POSITIVE,
+    "task.model.encoder.bert.num_layers": _POSITIVE,
+    "task.model.encoder.bert.num_attention_heads": _POSITIVE,
+    "task.model.encoder.bert.intermediate_size": _POSITIVE,
+    "task.model.encoder.bert.max_position_embeddings": _POSITIVE,
+    "task.model.encoder.bert.type_vocab_size": _POSITIVE,
+    "task.model.encoder.bert.dropout_rate": _PROBABILITY,
+    # ResNets
+    "task.model.resnet.model_id": _POSITIVE,
+    "task.model.input_size": _list_of(_POSITIVE, length=3),
+    "task.model.num_classes": _integer(2),
+    # DLRM
+    "task.model.vocab_sizes": _list_of(_POSITIVE),
+    "task.model.embedding_dim": _POSITIVE,
+    "task.model.bottom_mlp": _list_of(_POSITIVE),
+    "task.model.top_mlp": _list_of(_POSITIVE),
+    "task.model.num_dense_features": _POSITIVE,
+}
+for _split in ("train_data", "validation_data"):
+    FIELDS.update(
+        {
+            f"task.{_split}.global_batch_size": _POSITIVE,
+            f"task.{_split}.input_path": _path_or_paths,
+            f"task.{_split}.drop_remainder": _validation.check_bool,
+            f"task.{_split}.seq_length": _POSITIVE,
+            f"task.{_split}.max_predictions_per_seq": _POSITIVE,
+            f"task.{_split}.tfds_name": _string,
+            f"task.{_split}.tfds_split": _string,
+        }
+    )
+
+# Blocks whose fields another reader checks (the optimization block's, by
+# `tf_vrgd.config`): an override may add any key under them.
+CHECKED_ELSEWHERE = ("trainer.optimizer_config.",)
+
+
+def _get(cfg, path):
+    for key in path.split("."):
+        if not isinstance(cfg, dict) or key not in cfg:
+            return None
+        cfg = cfg[key]
+    return cfg
+
+
+def _set(cfg, path, value):
+    *parents, last = path.split(".")
+    for key in parents:
+        cfg = cfg[key]
+    cfg[last] = value
+
+
+def check(cfg):
+    """Checks every field of `FIELDS` that `cfg` sets (None counts as
+    unset), in place (a list of input paths becomes Model Garden's
+    comma-separated string). Returns `cfg`; raises ValueError naming the
+    field and its value."""
+    for path, checker in FIELDS.items():
+        value = _get(cfg, path)
+        if value is None:
+            continue
+        _set(cfg, path, checker(path, value))
+    return cfg
+
+
+def leaves(tree, prefix=""):
+    """{dotted path: value} of the non-mapping values of nested dicts."""
+    found = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            found.update(leaves(value, f"{path}."))
+        else:
+            found[path] = value
+    return found
+
+
+def check_override_keys(cfg, overrides):
+    """Raises ValueError for an ``--override KEY=VALUE`` whose KEY is neither
+    in `cfg` nor a field `vrgd-train` reads (nor under a block another
+    reader checks), naming the nearest known key."""
+    known = set(leaves(cfg)) | set(FIELDS)
+    blocks = {path.rsplit(".", i)[0] for path in known for i in range(path.count(".") + 1)}
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        if key in blocks or key.startswith(CHECKED_ELSEWHERE):
+            continue
+        nearest = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.0)
+        hint = f" Did you mean {nearest[0]}?" if nearest else ""
+        raise ValueError(
+            f"--override {key}: the config has no such field and vrgd-train reads none by "
+            f"that name.{hint}"
+        )
