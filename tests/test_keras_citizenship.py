@@ -187,3 +187,82 @@ def test_mid_accumulation_state_restores_under_another_replica_count(strategy, t
     expected = ref.VRReference(initial, ref.sgd(0.5), 0.1, 0.0).update(samples)
     for got, want in zip(restored.get_weights(), expected):
         ref.assert_close(got, want, f"VRSGD resumed mid-accumulation ({fmt})", rtol=1e-5)
+
+
+def _float8_model(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+        model.quantize("float8")
+    return model
+
+
+ACCUMULATING = {
+    "Adam": lambda: tf_vrgd.Adam(0.01, gradient_accumulation_steps=2),
+    "SGD": lambda: tf_vrgd.SGD(0.01, momentum=0.9, gradient_accumulation_steps=2),
+    "LAMB": lambda: tf_vrgd.LAMB(0.01, gradient_accumulation_steps=2),
+    "LARS": lambda: tf_vrgd.LARS(0.01, gradient_accumulation_steps=2),
+}
+
+
+@pytest.mark.parametrize("name", ACCUMULATING)
+def test_float8_training_with_accumulation(strategy, name):
+    """Keras' float8 layers overwrite their scales and amax histories with
+    their gradients (accumulated by maximum); the accumulating optimizers
+    take them as Keras' do: on one device tf_vrgd.Adam trains to Keras'
+    Adam's weights, all four train under MirroredStrategy."""
+    rng = np.random.default_rng(0)
+    x, y = rng.random((32, 4), np.float32), rng.random((32, 2), np.float32)
+    default = tf.distribute.get_strategy()
+    results = {}
+    for label, make in (("ours", ACCUMULATING[name]), ("keras", None)):
+        if make is None and name != "Adam":
+            continue
+        make = make or (lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2))
+        model = _float8_model(default)
+        model.compile(optimizer=make(), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 4
+        results[label] = [v.numpy() for v in model.variables]
+    if "keras" in results:
+        overwritten = [v for v in _float8_model(default).variables if v.overwrite_with_gradient]
+        assert overwritten  # the scales and amax histories
+        for ours, theirs in zip(results["ours"], results["keras"]):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    model = _float8_model(strategy)
+    with strategy.scope():
+        model.compile(optimizer=ACCUMULATING[name](), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert all(np.all(np.isfinite(v.numpy())) for v in model.variables)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (0, 3, 2)], ids=["rank1", "rank2", "rank3"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: tf_vrgd.Adam(0.05, gradient_accumulation_steps=2),
+        lambda: tf_vrgd.LAMB(0.05, gradient_accumulation_steps=2),
+        lambda: tf_vrgd.VRAdam(0.05, gradient_accumulation_steps=2),
+        lambda: tf_vrgd.VRAdam(0.05, gradient_accumulation_steps=2, jit_update=False),
+        lambda: tf_vrgd.VRLAMB(0.05, gradient_accumulation_steps=2),
+        lambda: tf_vrgd.VRLARS(0.05, gradient_accumulation_steps=2),
+        lambda: tf_vrgd.LARC(tf_vrgd.Adam(0.05, gradient_accumulation_steps=2)),
+    ],
+    ids=["Adam", "LAMB", "VRAdam", "VRAdam-no-xla", "VRLAMB", "VRLARS", "LARC-Adam"],
+)
+def test_empty_variables_of_any_rank_with_accumulation(make, shape):
+    """Keras' `add` reads a (0, n) operand as a bias; the accumulators must
+    not go through it. The other variable trains as without the empty one."""
+    stream = helpers.gradient_stream([(3, 2), shape], 4, seed=3)
+    weights = {}
+    for with_empty in (True, False):
+        w = keras.Variable(np.ones((3, 2), np.float32), name="w")
+        variables = [w]
+        if with_empty:
+            variables.append(keras.Variable(np.zeros(shape, np.float32), name="empty"))
+        steps = stream if with_empty else [[[g[0]] for g in step] for step in stream]
+        helpers.apply_stream(make(), variables, steps, compiled=True)
+        weights[with_empty] = w.numpy()
+        assert variables[-1].shape == (shape if with_empty else (3, 2))
+    np.testing.assert_allclose(weights[True], weights[False], rtol=1e-6)

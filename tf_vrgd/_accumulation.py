@@ -59,6 +59,10 @@ class ReplicaAccumulationMixin:
                 )
             self._track_variable(slot)
             self._replica_accumulators.append(slot)
+        # Keras' name for them: float8 training accumulates the variables it
+        # overwrites with their gradients (`overwrite_with_gradient`) there,
+        # by maximum, before this class sees the other gradients.
+        self._accumulated_gradients = self._replica_accumulators
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Only when accumulating, and not for the VR optimizers, whose
@@ -77,8 +81,10 @@ class ReplicaAccumulationMixin:
         ]
         for gradient, slot in zip(grads, slots):
             # On-read variables take no scatter: sparse (embedding)
-            # gradients are added dense.
-            slot.assign_add(tf.cast(tf.convert_to_tensor(gradient), slot.dtype))
+            # gradients are added dense. Added to the tf.Variable: Keras'
+            # `assign_add` goes through its `add`, which takes a (0, n)
+            # operand for a bias and fails.
+            tf_variable(slot).assign_add(tf.cast(tf.convert_to_tensor(gradient), slot.dtype))
         # Keras' order: the mean over the micro-steps, clipped per replica.
         means = self._clip_gradients([slot.value.read_value() / steps for slot in slots])
         replica_context.merge_call(

@@ -281,9 +281,11 @@ class GSNRMixin:
             replicas = tf.distribute.get_strategy().num_replicas_in_sync
             for gradient, sum_slot, square_slot in zip(grads, sum_slots, square_slots):
                 sample = gradient * float(replicas) if replicas > 1 else gradient
-                sum_slot.assign_add(sample)
+                # On the tf.Variables (see `ReplicaAccumulationMixin`: Keras'
+                # `assign_add` fails on (0, n) variables).
+                _tf_variable(sum_slot).assign_add(sample)
                 if with_squares:
-                    square_slot.assign_add(tf.square(sample))
+                    _tf_variable(square_slot).assign_add(tf.square(sample))
             samples.assign_add(1.0)
 
         if self.jit_update:
