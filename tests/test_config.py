@@ -427,6 +427,23 @@ def test_empty_layer_adaptation_list_means_the_weight_decay_list():
         assert adapts == [True, False, True, False], kind
 
 
+def test_empty_layer_adaptation_list_to_a_constructor_adapts_everything():
+    # The constructors' documented meaning: [] excludes nothing, None means
+    # the weight-decay list.
+    for cls in (tf_vrgd.LAMB, tf_vrgd.VRLAMB, tf_vrgd.LARS, tf_vrgd.VRLARS):
+        for given, expected in (([], [True] * 4), (None, [True, False, True, False])):
+            optimizer = cls(exclude_from_weight_decay=["bias"], exclude_from_layer_adaptation=given)
+            model = helpers.make_model()
+            optimizer.build(model.trainable_variables)
+            adapts = [
+                optimizer._adapts[optimizer._get_variable_index(v)]
+                for v in model.trainable_variables
+            ]
+            assert adapts == expected, (cls.__name__, given)
+    for cls in (tf_vrgd.LAMB, tf_vrgd.LARS):  # the VR classes refer to them
+        assert "An empty list excludes nothing" in " ".join(cls.__doc__.split())
+
+
 def _block(optimizer=None, learning_rate=None, warmup=None):
     block = {
         "optimizer": optimizer or {"type": "sgd"},

@@ -34,7 +34,9 @@ class LAMB(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
         weight_decay_rate: Float >= 0, LAMB's decay. Defaults to 0.0.
         exclude_from_weight_decay: Regex list. Defaults to None.
         exclude_from_layer_adaptation: Regex list. Defaults to None (the
-            weight-decay list).
+            weight-decay list). An empty list excludes nothing (every
+            variable is adapted); Model Garden's class, and this package's
+            config reader (`tf_vrgd.config`), read an empty list as None.
         **kwargs: Keras base optimizer arguments.
     """
 

@@ -51,7 +51,10 @@ class LARS(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
             kind. Defaults to None.
         exclude_from_layer_adaptation: List of regular expressions; matching
             variables use trust 1. Defaults to None, meaning the
-            `exclude_from_weight_decay` list.
+            `exclude_from_weight_decay` list. An empty list excludes nothing
+            (every variable is adapted); Model Garden's class, and this
+            package's config reader (`tf_vrgd.config`), read an empty list
+            as None instead.
         **kwargs: Keras base optimizer arguments (`name`, `weight_decay`,
             `clipnorm`, `clipvalue`, `global_clipnorm`, `use_ema`,
             `ema_momentum`, `ema_overwrite_frequency`, `loss_scale_factor`,
