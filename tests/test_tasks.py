@@ -399,6 +399,37 @@ def test_task_trains_from_files_with_its_twin_and_resumes(kind, tmp_path):
     )
 
 
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_an_unreadable_newest_checkpoint_is_named_and_skipped(damage, tmp_path):
+    """A rerun whose newest checkpoint is empty or cut short names the file
+    and resumes from the intact one before it (max_to_keep = 2 keeps it),
+    to the uninterrupted run's weights."""
+    config, overrides, data = TASK_RUNS["dlrm"]
+    path = str(tmp_path / data)
+    _write("dlrm", path)
+    overrides = {
+        **overrides,
+        "task.train_data.input_path": path,
+        "trainer.checkpoint_interval": 2,
+        "trainer.max_to_keep": 2,
+    }
+    output = tmp_path / "run"
+    run = lambda: _train(config, output, overrides, "--train-steps", "6")
+    run()
+    run_dir = output / "vr_sgd"
+    uninterrupted = _weights(run_dir / "final.weights.h5")
+    newest = run_dir / "checkpoint-epoch3.keras"
+    content = newest.read_bytes()
+    newest.write_bytes(b"" if damage == "empty" else content[: len(content) // 2])
+    text = run()
+    assert f"{newest} is unreadable" in text
+    assert "[vr_sgd] resuming after interval 2" in text
+    assert [r["updates"] for r in _records(run_dir)] == [2, 4, 6]
+    resumed = _weights(run_dir / "final.weights.h5")
+    for key in uninterrupted:
+        np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-7)
+
+
 def _check_resume(run_dir, rerun, updates, rtol):
     """Removes the run's last checkpoint (after 2 intervals), reruns its
     command (`rerun()` returns the output) and checks it resumed after

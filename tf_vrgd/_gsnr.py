@@ -425,6 +425,10 @@ class GSNRMixin:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
         packed_update = self._packed_update([indices[j] for j in packed])
 
+        # Plain Python over fixed lists: autograph has nothing to convert
+        # (and its cached conversion of this closure lost `fused_update`
+        # once another optimizer's had been converted).
+        @tf.autograph.experimental.do_not_convert
         def device_update(sums, squares, *scalars):
             for update, positions in ((fused_update, fused), (packed_update, packed)):
                 if positions:
@@ -479,6 +483,10 @@ class GSNRMixin:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
         packed_update = updates_of(packed)
 
+        # Plain Python over fixed lists: autograph has nothing to convert
+        # (and its cached conversion of this closure lost `fused_update`
+        # once another optimizer's had been converted).
+        @tf.autograph.experimental.do_not_convert
         def device_update(sums, squares, *scalars):
             for update, positions in ((fused_update, fused), (packed_update, packed)):
                 if positions:

@@ -257,7 +257,7 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     write_dir = scratch or run_dir
     os.makedirs(write_dir, exist_ok=True)
     train.remove_partial_checkpoints(write_dir)
-    checkpoints = train._checkpoints(run_dir) if os.path.isdir(run_dir) else {}
+    checkpoints = train.resumable_checkpoints(run_dir, name)
     done = max(checkpoints, default=0)
     _check_workers_agree(strategy, done, run_dir)
     keras.mixed_precision.set_global_policy(experiment.dtype_policy)

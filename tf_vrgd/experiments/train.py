@@ -381,6 +381,38 @@ def _checkpoints(run_dir):
     return found
 
 
+def resumable_checkpoints(run_dir, name):
+    """{completed epochs: path} of the run's checkpoints, the unreadable ones
+    (an empty or truncated file: a full disk, a copy cut short) left out,
+    each named in a printed line; {} where `run_dir` does not exist."""
+    if not os.path.isdir(run_dir):
+        return {}
+    checkpoints = _checkpoints(run_dir)
+    for epochs in sorted(checkpoints, reverse=True):
+        problem = _checkpoint_problem(checkpoints[epochs])
+        if not problem:
+            break
+        print(
+            f"[{name}] {checkpoints.pop(epochs)} is unreadable ({problem}); "
+            "resuming from the newest intact checkpoint before it, if any",
+            flush=True,
+        )
+    return checkpoints
+
+
+def _checkpoint_problem(path):
+    """Why the `.keras` file (a zip archive) at `path` cannot be read; ""
+    if every member reads back with its checksum."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        return f"{type(error).__name__}: {error}"
+    return f"member {bad} fails its checksum" if bad else ""
+
+
 def remove_partial_checkpoints(run_dir):
     """Removes the `tmp<pid>.keras` files that `save_checkpoint` leaves when
     killed while writing (one process trains a run folder at a time)."""
@@ -542,7 +574,7 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
     remove_partial_checkpoints(run_dir)
     (x_train, y_train), (x_test, y_test) = arrays
     x_train, y_train = x_train[: experiment.train_examples], y_train[: experiment.train_examples]
-    checkpoints = _checkpoints(run_dir)
+    checkpoints = resumable_checkpoints(run_dir, name)
     initial_epoch = max(checkpoints, default=0)
     with strategy.scope():
         if initial_epoch:
