@@ -26,6 +26,10 @@ def _string(name, value):
     return value
 
 
+def _as_given(name, value):
+    return value
+
+
 def _list_of(check, length=None):
     def checked(name, value):
         if not isinstance(value, (list, tuple)) or not value:
@@ -58,8 +62,9 @@ FIELDS = {
     "runtime.seed": _integer(0),
     "runtime.num_gpus": _integer(0),
     "runtime.distribution_strategy": _string,
-    "runtime.mixed_precision_dtype": _string,
-    "runtime.loss_scale": _string,
+    # Checked against their choices where they are read (task_runs).
+    "runtime.mixed_precision_dtype": _as_given,
+    "runtime.loss_scale": _as_given,
     # data
     "task.init_checkpoint": _string,
     "task.losses.label_smoothing": _PROBABILITY,

@@ -126,11 +126,34 @@ class TaskExperiment:
 
     def check_input(self):
         """Raises ValueError if the first record of a split's files does not
-        have the layout the config implies (reads them with TensorFlow: call
-        it once the devices are set up)."""
-        if not self.synthetic:
-            for split in ("train", "validation"):
-                self.task.check_input(split)
+        have the layout the config implies, or if the validation files hold
+        less than one batch (reads them with TensorFlow: call it once the
+        devices are set up)."""
+        if self.synthetic:
+            return
+        for split in ("train", "validation"):
+            self.task.check_input(split)
+        validation = self.dataset("validation")
+        if validation is not None and next(iter(validation.take(1)), None) is None:
+            raise ValueError(
+                f"task.validation_data: {self.task.input_path('validation')} holds fewer "
+                f"records than one validation batch of {self.step_batch} "
+                "(task.train_data.global_batch_size / gradient_accumulation_steps): "
+                "name more files, or no validation files."
+            )
+
+    def find_record_problem(self):
+        """Where the input files first hold a record the pipeline cannot
+        read or a value out of range ("task.SPLIT_data: FILE: line N:
+        what"); "" if nowhere. Reads every record of every split."""
+        if self.synthetic:
+            return ""
+        for split in ("train", "validation"):
+            if split == "train" or self.has_input(split):
+                problem = self.task.find_record_problem(split)
+                if problem:
+                    return f"task.{split}_data: {problem}"
+        return ""
 
     def describe(self):
         source = "synthetic inputs" if self.synthetic else "the config's files"
@@ -294,14 +317,24 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
         callback = _interval_callback(
             experiment, strategy, model, vr_optimizer, write_dir, records, done
         )
-        model.fit(
-            experiment.input(strategy, "train", done * experiment.interval),
-            initial_epoch=done,
-            epochs=experiment.intervals,
-            steps_per_epoch=experiment.interval * experiment.accumulation,
-            callbacks=[*monitor, callback],
-            verbose=verbose,
-        )
+        import tensorflow as tf
+
+        try:
+            model.fit(
+                experiment.input(strategy, "train", done * experiment.interval),
+                initial_epoch=done,
+                epochs=experiment.intervals,
+                steps_per_epoch=experiment.interval * experiment.accumulation,
+                callbacks=[*monitor, callback],
+                verbose=verbose,
+            )
+        except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
+            # A record that does not parse, or a value out of range: the
+            # pipeline's error names a shuffled batch, so find the file.
+            problem = experiment.find_record_problem()
+            if problem:
+                raise ValueError(f"the input cannot be read: {problem}") from error
+            raise
     model.save_weights(os.path.join(write_dir, "final.weights.h5"))
     return records
 

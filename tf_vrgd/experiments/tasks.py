@@ -34,6 +34,34 @@ def _get(cfg, path, default=None):
     return default if cfg is None else cfg
 
 
+def _tfrecord_problem(name, problem_of):
+    """The first problem of TFRecord file `name`: a record that does not
+    read (a truncated or corrupted file) or one for which
+    `problem_of(tf.train.Example)` says what is wrong."""
+    index = 0
+    try:
+        for index, record in enumerate(tf.data.TFRecordDataset([name]).as_numpy_iterator()):
+            try:
+                example = tf.train.Example.FromString(record)
+            except Exception:  # protobuf's DecodeError
+                return f"record {index}: not a tf.train.Example."
+            problem = problem_of(example)
+            if problem:
+                return f"record {index}: {problem}"
+    except (tf.errors.DataLossError, tf.errors.OutOfRangeError) as error:
+        return f"the record after record {index} does not read ({error.message.splitlines()[0]})"
+    return ""
+
+
+def _labels_in_range(name, labels, count, field):
+    """A check in the input pipeline: every one of `labels` in [0, count)."""
+    labels = tf.convert_to_tensor(labels)
+    valid = tf.reduce_all((labels >= 0) & (labels < count))
+    check = tf.debugging.Assert(valid, [f"{name} out of range [0, {count}) ({field}):", labels])
+    with tf.control_dependencies([check]):
+        return tf.identity(labels)
+
+
 def _first_example(path):
     """The first `tf.train.Example` of a TFRecord file; None if it has none."""
     for record in tf.data.TFRecordDataset([path]).take(1):
@@ -228,6 +256,25 @@ class Task:
         """What is wrong with the first record of `files`; "" if nothing."""
         return ""
 
+    def find_record_problem(self, split):
+        """The first record of `split`'s files, in file order, that the
+        input pipeline cannot read or that holds a value out of range, as
+        "FILE: line N: what" (or "record N"); "" if every record reads.
+        Reads every record: `vrgd-train` calls it when reading the input
+        failed during training, to say where."""
+        path = self.input_path(split)
+        if path is None:
+            return ""
+        for name in _files(path):
+            problem = self._file_problem(name)
+            if problem:
+                return f"{name}: {problem}"
+        return ""
+
+    def _file_problem(self, name):
+        """What is wrong with the first bad record of file `name`; "" if none."""
+        return ""
+
     def synthetic_dataset(self, batch_size, seed):
         """One random batch, made on the device and repeated: the shapes
         and dtypes of the real input, no files (Model Garden's synthetic
@@ -350,6 +397,12 @@ class BertPretraining(Task):
         example = _first_example(files[0])
         if example is None:
             return "no records."
+        return self._example_problem(example)
+
+    def _file_problem(self, name):
+        return _tfrecord_problem(name, self._example_problem)
+
+    def _example_problem(self, example):
         stored = example.features.feature
         fields = {self.seq_length: "seq_length", self.max_predictions: "max_predictions_per_seq"}
         for name, spec in self.feature_spec().items():
@@ -364,6 +417,15 @@ class BertPretraining(Task):
                 field = fields.get(spec.shape[0])
                 expected = f"task.train_data.{field} {spec.shape[0]}" if field else spec.shape[0]
                 return f"{name} holds {count} {kind} values where the config expects {expected}."
+        for name, bound, field in (
+            ("input_ids", self.vocab_size, "task.model.encoder.bert.vocab_size"),
+            ("masked_lm_ids", self.vocab_size, "task.model.encoder.bert.vocab_size"),
+            ("segment_ids", self.type_vocab_size, "task.model.encoder.bert.type_vocab_size"),
+            ("masked_lm_positions", self.seq_length, "task.train_data.seq_length"),
+        ):
+            values = stored[name].int64_list.value
+            if values and not 0 <= min(values) <= max(values) < bound:
+                return f"{name} holds values outside [0, {bound}) ({field})."
         return ""
 
     def _decode(self, record):
@@ -372,6 +434,17 @@ class BertPretraining(Task):
             k: tf.cast(v, tf.int32) if v.dtype == tf.int64 else v for k, v in features.items()
         }
         features["next_sentence_labels"] = tf.reshape(features["next_sentence_labels"], [])
+        # Out-of-range ids would read zeros from an embedding on a GPU.
+        for name in ("input_ids", "masked_lm_ids"):
+            features[name] = _labels_in_range(
+                name, features[name], self.vocab_size, "task.model.encoder.bert.vocab_size"
+            )
+        features["segment_ids"] = _labels_in_range(
+            "segment_ids",
+            features["segment_ids"],
+            self.type_vocab_size,
+            "task.model.encoder.bert.type_vocab_size",
+        )
         return self._example(features)
 
     def dataset(self, split, batch_size, seed, shard=None, start=0):
@@ -466,6 +539,8 @@ class ImageClassification(Task):
         }
 
     def _one_hot(self, image, label):
+        # tf.one_hot makes zeros of a label out of range: refuse it.
+        label = _labels_in_range("label", label, self.num_classes, "task.model.num_classes")
         return image, tf.one_hot(label, self.num_classes)
 
     def synthetic_batch(self, batch_size, seed):
@@ -513,10 +588,18 @@ class ImageClassification(Task):
 
     def _input_problem(self, files):
         if self.cifar:
-            return ""  # `_cifar` checks the folder's files
+            return ""  # `check_input` reads CIFAR's files whole
         example = _first_example(files[0])
         if example is None:
             return "no records."
+        return self._imagenet_example_problem(example)
+
+    def _file_problem(self, name):
+        if self.cifar:
+            return _cifar_file_problem(name)
+        return _tfrecord_problem(name, self._imagenet_example_problem)
+
+    def _imagenet_example_problem(self, example):
         stored = example.features.feature
         for name in ("image/encoded", "image/class/label"):
             if name not in stored:
@@ -527,6 +610,27 @@ class ImageClassification(Task):
                 f"image/class/label is {label}, not one label in [0, {self.num_classes}) "
                 "(task.model.num_classes)."
             )
+        return ""
+
+    def check_input(self, split):
+        if not self.cifar:
+            return super().check_input(split)
+        # CIFAR-10 is small enough to check whole before training.
+        problem = self.find_record_problem(split)
+        if problem:
+            raise ValueError(f"task.{split}_data: {problem}")
+
+    def find_record_problem(self, split):
+        if not self.cifar:
+            return super().find_record_problem(split)
+        path = self.input_path(split)
+        if path is None:
+            return ""
+        binary, python = _cifar_files(path, split == "train")
+        for name in binary or python:
+            problem = _cifar_file_problem(name)
+            if problem:
+                return f"{name}: {problem}"
         return ""
 
     @staticmethod
@@ -579,38 +683,27 @@ class ImageClassification(Task):
         `reader(files)` reads records and `decode(record)` makes an
         (image, label) of one. The python batches are read at once, as one
         "file" of all their records."""
-        if not path or not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"task.*_data.input_path must be a folder of CIFAR-10 batches. Received: {path!r}"
-            )
-        names = [f"data_batch_{i}" for i in range(1, 6)] if training else ["test_batch"]
-        binary = [os.path.join(path, f"{n}.bin") for n in names]
-        python = [os.path.join(path, n) for n in names]
-        if all(os.path.exists(f) for f in binary):
+        binary, python = _cifar_files(path, training)
+        if binary:
             return (
                 binary,
                 lambda files: tf.data.FixedLengthRecordDataset(files, CIFAR_RECORD_BYTES),
                 _decode_cifar_record,
             )
-        if all(os.path.exists(f) for f in python):
-            images, labels = [], []
-            for f in python:
-                with open(f, "rb") as handle:
-                    batch = pickle.load(handle, encoding="bytes")
-                images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32))
-                labels.append(np.asarray(batch[b"labels"], np.int32))
-            records = {
-                "image": np.concatenate(images).transpose(0, 2, 3, 1),
-                "label": np.concatenate(labels),
-            }
-            return (
-                [path],
-                lambda _: tf.data.Dataset.from_tensor_slices(records),
-                lambda record: (record["image"], record["label"]),
-            )
-        expected = ", ".join(os.path.basename(b) for b in binary)
-        raise FileNotFoundError(
-            f"{path} has neither CIFAR-10's binary batches ({expected}) nor its python batches."
+        images, labels = [], []
+        for f in python:
+            with open(f, "rb") as handle:
+                batch = pickle.load(handle, encoding="bytes")
+            images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32))
+            labels.append(np.asarray(batch[b"labels"], np.int32))
+        records = {
+            "image": np.concatenate(images).transpose(0, 2, 3, 1),
+            "label": np.concatenate(labels),
+        }
+        return (
+            [path],
+            lambda _: tf.data.Dataset.from_tensor_slices(records),
+            lambda record: (record["image"], record["label"]),
         )
 
     def _preprocess_cifar(self, image, seed):
@@ -624,6 +717,54 @@ class ImageClassification(Task):
             image = tf.image.stateless_random_crop(image, [32, 32, 3], crop_seed)
             image = tf.image.stateless_random_flip_left_right(image, flip_seed)
         return (image - CIFAR_MEAN) / CIFAR_STD
+
+
+def _cifar_files(path, training):
+    """The CIFAR-10 batch files of a split in folder `path`: (binary, [])
+    or ([], python); FileNotFoundError if it has neither set whole."""
+    if not path or not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"task.*_data.input_path must be a folder of CIFAR-10 batches. Received: {path!r}"
+        )
+    names = [f"data_batch_{i}" for i in range(1, 6)] if training else ["test_batch"]
+    binary = [os.path.join(path, f"{n}.bin") for n in names]
+    python = [os.path.join(path, n) for n in names]
+    if all(os.path.exists(f) for f in binary):
+        return binary, []
+    if all(os.path.exists(f) for f in python):
+        return [], python
+    expected = ", ".join(os.path.basename(b) for b in binary)
+    raise FileNotFoundError(
+        f"{path} has neither CIFAR-10's binary batches ({expected}) nor its python batches."
+    )
+
+
+def _cifar_file_problem(name):
+    """What is wrong with a CIFAR-10 batch file (binary or python): its
+    size or layout, or the first label out of [0, 10); "" if nothing."""
+    if name.endswith(".bin"):
+        with tf.io.gfile.GFile(name, "rb") as f:
+            data = np.frombuffer(f.read(), np.uint8)
+        if data.size == 0 or data.size % CIFAR_RECORD_BYTES:
+            return (
+                f"{data.size} bytes, not a whole number of {CIFAR_RECORD_BYTES}-byte records "
+                "(a label byte and 3072 pixel bytes each)."
+            )
+        labels = data[::CIFAR_RECORD_BYTES]
+    else:
+        try:
+            with tf.io.gfile.GFile(name, "rb") as f:
+                batch = pickle.load(f, encoding="bytes")
+            rows = np.asarray(batch[b"data"])
+            labels = np.asarray(batch[b"labels"])
+        except Exception as error:  # any unpickling or layout failure
+            return f"not a CIFAR-10 python batch ({type(error).__name__}: {error})."
+        if rows.ndim != 2 or rows.shape[1] != 3072 or len(labels) != len(rows):
+            return f"data of shape {rows.shape} and {len(labels)} labels, not [n, 3072] and n."
+    bad = np.flatnonzero(labels >= 10)
+    if bad.size:
+        return f"record {bad[0]}: label {int(labels[bad[0]])}, not in [0, 10)."
+    return ""
 
 
 def _decode_cifar_record(record):
@@ -709,10 +850,31 @@ class Dlrm(Task):
             )
         return ""
 
+    def _file_problem(self, name):
+        expected = 1 + self.num_dense + len(self.vocab_sizes)
+        with tf.io.gfile.GFile(name) as f:
+            for number, line in enumerate(f, start=1):
+                fields = line.rstrip("\n").split("\t")
+                if len(fields) != expected:
+                    return (
+                        f"line {number}: {len(fields)} tab-separated fields; the config expects "
+                        f"{expected} (task.model.num_dense_features and vocab_sizes)."
+                    )
+                if fields[0] not in ("0", "1"):
+                    return f"line {number}: label {fields[0]!r}, not 0 or 1."
+                for i, value in enumerate(fields[1 : 1 + self.num_dense], start=1):
+                    if value and not _is_number(value):
+                        return f"line {number}: integer feature {i} is {value!r}, not a number."
+        return ""
+
     def _parse_lines(self, lines):
         defaults = [[0.0]] + [[0.0]] * self.num_dense + [[""]] * len(self.vocab_sizes)
         columns = tf.io.decode_csv(lines, defaults, field_delim="\t")
-        label = tf.reshape(columns[0], [-1, 1])
+        # Clicks are 0 or 1; another label would train silently.
+        valid = tf.reduce_all((columns[0] == 0.0) | (columns[0] == 1.0))
+        check = tf.debugging.Assert(valid, ["Criteo labels must be 0 or 1:", columns[0]])
+        with tf.control_dependencies([check]):
+            label = tf.reshape(columns[0], [-1, 1])
         dense = tf.math.log1p(tf.maximum(tf.stack(columns[1 : 1 + self.num_dense], 1), 0.0))
         sparse = tf.stack(
             [
@@ -751,6 +913,14 @@ class Dlrm(Task):
             tf.random.stateless_uniform([batch_size, 1], [seed, 99]) < 0.25, tf.float32
         )
         return {"dense_features": dense, "sparse_features": sparse}, labels
+
+
+def _is_number(text):
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 TASKS = {"bert": BertPretraining, "resnet": ImageClassification, "dlrm": Dlrm}
