@@ -525,6 +525,63 @@ def test_multi_worker_flags_are_checked(monkeypatch, tmp_path, tf_config, flags,
         train.main(["--config", config, "--output", str(tmp_path), "--synthetic", *flags])
 
 
+def _lone_worker(tmp_path, *flags):
+    """A worker of a two-worker cluster whose other worker never starts."""
+    from tests.test_multiworker import _free_ports
+
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    command = [sys.executable, "-m", "tf_vrgd.experiments.train", "--config"]
+    command += [os.path.join(PAPER, "dlrm_vr_sgd_64k.yaml"), "--output", str(tmp_path)]
+    command += ["--synthetic", "--train-steps", "2", *flags]
+    for key, value in TINY_DLRM.items():
+        command += ["--override", f"{key}={json.dumps(value)}"]
+    env = dict(
+        os.environ,
+        TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}}),
+        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return process, f"worker 1 (127.0.0.1:{ports[1]})"
+
+
+def test_a_worker_alone_says_what_it_waits_for_and_gives_up(tmp_path):
+    process, other = _lone_worker(tmp_path, "--worker-timeout", "5")
+    try:
+        text, _ = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert f"worker 0 waiting for {other} to connect (up to 5 s" in text
+    assert (
+        f"vrgd-train: not every task of TF_CONFIG's cluster connected within 5 s "
+        f"(waiting for {other})"
+    ) in text
+    assert process.returncode == 1
+
+
+def test_a_waiting_worker_ends_on_sigterm(tmp_path):
+    import signal
+    import time
+
+    process, other = _lone_worker(tmp_path)
+    try:
+        lines = []
+        start = time.monotonic()
+        for line in process.stdout:  # until it says it waits
+            lines.append(line)
+            if "waiting for" in line or time.monotonic() - start > 240:
+                break
+        time.sleep(3)  # inside TensorFlow's wait by now
+        process.send_signal(signal.SIGTERM)
+        text, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert f"vrgd-train: SIGTERM while waiting for {other}." in "".join(lines) + text
+    assert process.returncode == 1
+
+
 def test_task_trains_on_two_workers_and_resumes(tmp_path):
     """With TF_CONFIG, vrgd-train runs MultiWorkerMirroredStrategy: two
     worker processes (one CPU replica each, so k = 2), each reading its own

@@ -121,7 +121,16 @@ def parse_args(argv=None):
         help="discard the checkpoints and metrics already in --output and "
         "start over (needed to reuse a folder with other settings)",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--worker-timeout",
+        type=_positive_int,
+        default=600,
+        help="with TF_CONFIG: seconds to wait for every task of the cluster to "
+        "connect before giving up (default 600)",
+    )
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def setup_devices(replicas):
@@ -905,8 +914,10 @@ def _cluster_problem(cluster, task):
 
 
 def multi_worker_strategy():
-    """`MultiWorkerMirroredStrategy` from `TF_CONFIG`, with a `reduce` that
-    takes what Keras' `fit` and `evaluate` pass it with more than one worker
+    """`MultiWorkerMirroredStrategy` from `TF_CONFIG` (its constructor waits
+    until every task of the cluster has connected: see `supervise`), with a
+    `reduce` that takes what Keras' `fit` and `evaluate` pass it with more
+    than one worker
     (keras-team/keras#20329, #20585): a whole input batch, nested (to build
     the metrics), as `MirroredStrategy`'s `reduce` takes it; and the
     per-replica scalar logs with `axis=0`, which for a scalar means the mean
@@ -922,7 +933,91 @@ def multi_worker_strategy():
                 axis = None
             return super().reduce(reduce_op, value, axis)
 
-    return Strategy()
+    strategy = Strategy()
+    # Tell a supervising vrgd-train (`supervise`) that the cluster is up.
+    fd = os.environ.pop(CONNECTED_FD, None)
+    if fd:
+        os.write(int(fd), b"connected")
+        os.close(int(fd))
+    return strategy
+
+
+# The pipe on which a supervised multi-worker process says it connected.
+CONNECTED_FD = "VRGD_TRAIN_CONNECTED_FD"
+
+
+def supervise(argv, timeout):
+    """Runs this command again as a child process and watches it until its
+    cluster has connected: TensorFlow's wait for the other tasks neither
+    returns to Python (where signal handlers run, so SIGINT and SIGTERM go
+    unheard) nor ends. Says what it waits for; after `timeout` seconds, or
+    on SIGTERM or SIGINT while waiting, ends the child with a message. Once
+    connected, signals are passed on to the child (TensorFlow's own
+    handling) and the child's exit status is returned."""
+    import select
+    import signal
+    import subprocess
+
+    spec = json.loads(os.environ["TF_CONFIG"])
+    task = spec["task"]
+    others = ", ".join(
+        f"{kind} {i} ({address})"
+        for kind, addresses in spec["cluster"].items()
+        for i, address in enumerate(addresses)
+        if (kind, i) != (task["type"], task["index"])
+    )
+    read, write = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tf_vrgd.experiments.train", *argv],
+        env=dict(os.environ, **{CONNECTED_FD: str(write)}),
+        pass_fds=(write,),
+    )
+    os.close(write)
+    print(
+        f"experiment: {task['type']} {task['index']} waiting for {others or 'no other task'} "
+        f"to connect (up to {timeout} s, --worker-timeout)",
+        flush=True,
+    )
+    connected = False
+
+    def stop(reason):
+        print(f"vrgd-train: {reason}", file=sys.stderr, flush=True)
+        child.kill()
+        child.wait()
+        return 1
+
+    def on_signal(number, frame):
+        if connected:
+            child.send_signal(number)
+        else:
+            raise KeyboardInterrupt(signal.Signals(number).name)
+
+    previous = {n: signal.signal(n, on_signal) for n in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        deadline = time.monotonic() + timeout
+        while not connected and child.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return stop(
+                    f"not every task of TF_CONFIG's cluster connected within {timeout} s "
+                    f"(waiting for {others}): start them, check their addresses and ports, "
+                    "or raise --worker-timeout."
+                )
+            ready, _, _ = select.select([read], [], [], min(left, 1.0))
+            if ready:
+                connected = bool(os.read(read, 64))  # b"" when the child has ended
+                if not connected:
+                    break
+        code = child.wait()
+    except KeyboardInterrupt as interrupt:
+        return stop(
+            f"{interrupt.args[0] if interrupt.args else 'SIGINT'} while waiting for {others}."
+        )
+    finally:
+        os.close(read)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    return 128 - code if code < 0 else code
 
 
 def is_chief(strategy):
@@ -967,6 +1062,8 @@ def main_task(args, cfg):
             )
     cluster = multi_worker_cluster(args)
     strategy = devices = None
+    if cluster and CONNECTED_FD not in os.environ:
+        return supervise(args.argv, args.worker_timeout)
     if cluster:
         # Before anything else starts TensorFlow's runtime.
         strategy = multi_worker_strategy()
