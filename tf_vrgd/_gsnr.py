@@ -425,9 +425,10 @@ class GSNRMixin:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
         packed_update = self._packed_update([indices[j] for j in packed])
 
-        # Plain Python over fixed lists: autograph has nothing to convert
-        # (and its cached conversion of this closure lost `fused_update`
-        # once another optimizer's had been converted).
+        # Plain Python over fixed lists: nothing for autograph to convert.
+        # (Converted, this closure raised "name 'fused_update' is not
+        # defined" in a one-device tf.function once other tests of the same
+        # process had converted updates of other optimizers.)
         @tf.autograph.experimental.do_not_convert
         def device_update(sums, squares, *scalars):
             for update, positions in ((fused_update, fused), (packed_update, packed)):
@@ -483,9 +484,10 @@ class GSNRMixin:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
         packed_update = updates_of(packed)
 
-        # Plain Python over fixed lists: autograph has nothing to convert
-        # (and its cached conversion of this closure lost `fused_update`
-        # once another optimizer's had been converted).
+        # Plain Python over fixed lists: nothing for autograph to convert.
+        # (Converted, this closure raised "name 'fused_update' is not
+        # defined" in a one-device tf.function once other tests of the same
+        # process had converted updates of other optimizers.)
         @tf.autograph.experimental.do_not_convert
         def device_update(sums, squares, *scalars):
             for update, positions in ((fused_update, fused), (packed_update, packed)):
