@@ -27,6 +27,12 @@ cosine decay) stretched to it, in four parts:
    samples per update at the same global batch (replicas x accumulation;
    schedules count updates, so every k takes the same number of updates).
 
+Part `interval`, run only when named (`--parts interval`), trains each twin
+at its best grid rate (or the rate `--at vr_adam=4` gives) with
+gsnr_interval = N for each of `--gsnr-intervals` (default 1 4 16), seeds 0
+to `--seeds` - 1: what measuring the GSNR every N updates costs in
+accuracy. Its runs with N > 1 take no part in the other parts and plots.
+
 Parts 1 to 3 use k = `--replicas` x `--accumulation` (default 4 x 2 = 8, the
 paper's 8 GPUs) for the twins; the bases take the same global batch in one
 step per update, which is the same update (k means nothing to them).
@@ -50,6 +56,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIRS = ("momentum", "adam", "lars", "lamb")
 PARTS = ("grid", "seeds", "effective", "samples")
+# Asked for by name only (`--parts interval`): the GSNR interval's cost.
+EXTRA_PARTS = ("interval",)
 
 
 def parse_args(argv=None):
@@ -71,7 +79,21 @@ def parse_args(argv=None):
     parser.add_argument(
         "--seeds", type=int, default=2, help="seeds 0..N-1 at the best rates (part 2)"
     )
-    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS + EXTRA_PARTS)
+    parser.add_argument(
+        "--gsnr-intervals",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16],
+        help="part `interval`: each twin at these gsnr_interval values",
+    )
+    parser.add_argument(
+        "--at",
+        nargs="+",
+        default=[],
+        metavar="NAME=MULTIPLIER",
+        help="part `interval`: a twin's rate multiplier where no grid run gives its best",
+    )
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--report", action="store_true", help="print the tables and exit")
@@ -83,6 +105,8 @@ def parse_args(argv=None):
 
 def key(run):
     text = f"{run['optimizer']}_b{run['batch']}_k{run['k']}_lr{run['lr_multiplier']:.6g}"
+    if run.get("gsnr_interval", 1) > 1:
+        text += f"_n{run['gsnr_interval']}"
     if run.get("follows"):
         text += f"_at_{run['follows']}"
     return f"{text}_s{run['seed']}"
@@ -112,6 +136,10 @@ def experiment_for(run, args):
             **(optimizer.get(kind) or {}),
             "gradient_accumulation_steps": accumulation,
         }
+    if run.get("gsnr_interval", 1) > 1:
+        optimizer = cfg["trainer"]["optimizer_config"]["optimizer"]
+        kind = optimizer["type"]
+        optimizer[kind] = {**(optimizer.get(kind) or {}), "gsnr_interval": run["gsnr_interval"]}
     # A base takes the whole batch in one step: the same update as
     # accumulating it (the CNN has no batch statistics), and Keras'
     # accumulation does not run under MirroredStrategy (a collective inside
@@ -243,6 +271,45 @@ def samples(results, args):
     return runs
 
 
+def interval(results, args):
+    """Each twin of `args.pairs` at its best grid rate (or the `--at` one),
+    at every `--gsnr-intervals` N, seeds 0 to `--seeds` - 1."""
+    k = args.replicas * args.accumulation
+    given = {}
+    for item in args.at:
+        name, _, multiplier = item.partition("=")
+        given[name] = float(multiplier)
+    best = best_grid_rows(plain(results), args)
+    runs = []
+    for batch in args.batches:
+        for pair in args.pairs:
+            name = f"vr_{pair}"
+            if name in given:
+                rate = given[name]
+            elif (name, batch) in best:
+                rate = best[(name, batch)]["lr_multiplier"]
+            else:
+                continue
+            for n in args.gsnr_intervals:
+                for seed in range(args.seeds):
+                    run = {"optimizer": name, "batch": batch, "k": k, "lr_multiplier": rate}
+                    runs.append({**run, "seed": seed, "gsnr_interval": n})
+    return runs
+
+
+def _interval_lines(results, args):
+    rows = {}
+    for r in results.values():
+        if r["optimizer"].startswith("vr_") and "gsnr_interval" in r and r["batch"] in args.batches:
+            slot = (r["optimizer"], r["batch"], r["lr_multiplier"], r["gsnr_interval"])
+            rows.setdefault(slot, []).append(r)
+    lines = []
+    for (name, batch, rate, n), group in sorted(rows.items()):
+        group.sort(key=lambda r: r["seed"])
+        lines.append(_summary_line(f"{name} b{batch} x{rate:g} N={n}", group))
+    return lines
+
+
 def _run_fields(row):
     return {f: row[f] for f in ("optimizer", "batch", "k", "lr_multiplier", "seed")}
 
@@ -255,6 +322,7 @@ def _pct(value):
 
 
 def report(results, args):
+    everything, results = results, plain(results)
     k = args.replicas * args.accumulation
     names = [n for pair in args.pairs for n in (pair, f"vr_{pair}")]
     lines = [
@@ -324,7 +392,21 @@ def report(results, args):
                 lines.append(text)
     lines.append("")
 
+    measured = _interval_lines(everything, args)
+    if measured:
+        lines += [
+            "6. twins measuring the GSNR every N updates (gsnr_interval = N), at their rates",
+            "",
+            *measured,
+            "",
+        ]
     return "\n".join(lines)
+
+
+def plain(results):
+    """The runs that measure the GSNR at every update (parts 1 to 5 and the
+    plots read these; part `interval` adds the others)."""
+    return {key: r for key, r in results.items() if r.get("gsnr_interval", 1) == 1}
 
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1 to 9).
@@ -485,7 +567,7 @@ def main(argv=None):
     if args.report:
         print(report(results, args))
         if args.plots:
-            print("plots:", ", ".join(plot(results, args, args.plots)))
+            print("plots:", ", ".join(plot(plain(results), args, args.plots)))
         return 0
 
     strategy, arrays = grids.fashion_setup(args.replicas, args.data_dir, args.cache_dir)
@@ -503,10 +585,16 @@ def main(argv=None):
             ),
         )
 
-    parts = {"grid": grid, "seeds": seeds, "effective": effective, "samples": samples}
-    for part in PARTS:
+    parts = {
+        "grid": grid,
+        "seeds": seeds,
+        "effective": effective,
+        "samples": samples,
+        "interval": interval,
+    }
+    for part in PARTS + EXTRA_PARTS:
         if part in args.parts:
-            run_all(parts[part](results, args))
+            run_all(parts[part](results if part == "interval" else plain(results), args))
     print(report(results, args))
     return 0
 

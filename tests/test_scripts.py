@@ -209,3 +209,40 @@ def test_study_pairs_twin_and_base_by_seed():
     assert sorted((r["optimizer"], r["lr_multiplier"], r["seed"]) for r in runs) == [
         (name, rate, seed) for name, rate in (("lars", 1.0), ("vr_lars", 2.0)) for seed in (1, 2, 3)
     ]
+
+
+def test_study_interval_part_runs_each_n_at_the_twins_rates():
+    study = _script("study")
+    args = study.parse_args(
+        ["--batches", "4096", "--pairs", "momentum", "adam", "--parts", "interval"]
+        + ["--gsnr-intervals", "1", "4", "--at", "vr_adam=4"]
+    )
+    results = {
+        study.key(r): r
+        for r in (
+            _study_row("vr_momentum", 4096, 1.0, 0, 0.86, scale=0.4),
+            _study_row("vr_momentum", 4096, 2.0, 0, 0.83, scale=0.4),
+        )
+    }
+    runs = study.interval(results, args)
+    assert sorted(
+        (r["optimizer"], r["lr_multiplier"], r["gsnr_interval"], r["seed"]) for r in runs
+    ) == [
+        (name, rate, n, seed)
+        for name, rate in (("vr_adam", 4.0), ("vr_momentum", 1.0))
+        for n in (1, 4)
+        for seed in (0, 1)
+    ]
+    # N > 1 runs have keys of their own and stay out of the grid's best.
+    row = _study_row("vr_momentum", 4096, 2.0, 0, 0.99, scale=0.4, gsnr_interval=4)
+    assert study.key(row).endswith("_lr2_n4_s0")
+    results[study.key(row)] = row
+    assert (
+        study.best_grid_rows(study.plain(results), args)[("vr_momentum", 4096)][
+            "final_test_accuracy"
+        ]
+        == 0.86
+    )
+    text = study.report(results, args)
+    assert "6. twins measuring the GSNR every N updates" in text
+    assert "vr_momentum b4096 x2 N=4" in text
