@@ -86,6 +86,20 @@ def parse_args(argv=None):
         help="also time each VR twin with gsnr_interval = N for every N > 1 listed",
     )
     parser.add_argument(
+        "--logical-gpus",
+        type=int,
+        default=0,
+        help="split GPU 0 into this many logical GPUs for the mirrored set-up (one GPU: "
+        "replicas for a VR twin; all-reduces then run through one device)",
+    )
+    parser.add_argument(
+        "--logical-gpu-memory", type=int, default=32768, help="MiB of each logical GPU"
+    )
+    parser.add_argument(
+        "--image-size", type=int, default=32, help="resnet50's input side (ImageNet: 224)"
+    )
+    parser.add_argument("--json", default=None, help="also write the measured rows to this file")
+    parser.add_argument(
         "--no-xla",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -100,6 +114,14 @@ def main(argv=None):
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
+    logical, memory = args.logical_gpus, args.logical_gpu_memory
+    del args.logical_gpus, args.logical_gpu_memory
+    if gpus and logical:
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory)] * logical
+        )
+        gpus = tf.config.list_logical_devices("GPU")
+        args.reduce_to_one_device = True
     if not gpus:
         cpus = tf.config.list_physical_devices("CPU")
         tf.config.set_logical_device_configuration(
@@ -108,7 +130,14 @@ def main(argv=None):
 
     from tf_vrgd.experiments import benchmark
 
-    benchmark.run(benchmark.Settings(**vars(args)), gpus)
+    output = args.json
+    del args.json
+    rows = benchmark.run(benchmark.Settings(**vars(args)), gpus)
+    if output:
+        import json
+
+        with open(output, "w") as f:
+            json.dump({"settings": vars(args), "gpus": len(gpus), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""Test set-up: four logical CPU devices, and a record of reference errors.
+"""Test set-up: four replica devices, and a record of reference errors.
 
-The CPU is split before TensorFlow initialises, so that `MirroredStrategy`
-tests have four replicas on a machine without accelerators.
+By default the CPU is split before TensorFlow initialises, so that
+`MirroredStrategy` tests have four replicas on a machine without
+accelerators. `scripts/device_check.py` sets `TF_VRGD_TEST_DEVICES`:
+`logical-gpus` splits GPU 0 into four logical GPUs (reduced through one
+device: NCCL does not run between logical GPUs of one GPU), `gpus` takes
+the first four physical GPUs (NCCL).
 """
 
 import os
@@ -11,12 +15,23 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf
 
-NUM_LOGICAL_CPUS = 4
+NUM_LOGICAL_CPUS = 4  # the replicas of the `strategy` fixture, whatever the device
+DEVICES = os.environ.get("TF_VRGD_TEST_DEVICES", "cpus")
+# Memory of each logical GPU (MiB) in the `logical-gpus` set-up.
+LOGICAL_GPU_MEMORY = 4096
 
-_cpus = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(
-    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
-)
+if DEVICES == "logical-gpus":
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("GPU")[0],
+        [tf.config.LogicalDeviceConfiguration(memory_limit=LOGICAL_GPU_MEMORY)] * NUM_LOGICAL_CPUS,
+    )
+elif DEVICES == "cpus":
+    _cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
+    )
+elif DEVICES != "gpus":
+    raise ValueError(f"TF_VRGD_TEST_DEVICES must be cpus, logical-gpus or gpus: {DEVICES!r}")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
@@ -38,7 +53,13 @@ def strategy():
     # One strategy for the whole run: separate MirroredStrategy instances over
     # the same devices reuse collective instance keys, and their all-reduces
     # of different shapes then collide.
-    devices = [f"/cpu:{i}" for i in range(NUM_LOGICAL_CPUS)]
+    if DEVICES == "cpus":
+        return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(NUM_LOGICAL_CPUS)])
+    devices = [f"/gpu:{i}" for i in range(NUM_LOGICAL_CPUS)]
+    if DEVICES == "logical-gpus":
+        return tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
     return tf.distribute.MirroredStrategy(devices)
 
 

@@ -76,11 +76,11 @@ def mlp(parameters=10_000_000, inputs=784, outputs=10):
     )
 
 
-def resnet50(classes=10):
-    """`keras.applications.ResNet50` on 32x32x3 inputs, untrained: 214
-    trainable variables (161 of them batch-norm scales and offsets)."""
+def resnet50(classes=10, size=32):
+    """`keras.applications.ResNet50` on size x size x 3 inputs, untrained:
+    214 trainable variables (161 of them batch-norm scales and offsets)."""
     return keras.applications.ResNet50(
-        weights=None, input_shape=(32, 32, 3), classes=classes, classifier_activation=None
+        weights=None, input_shape=(size, size, 3), classes=classes, classifier_activation=None
     )
 
 
@@ -303,12 +303,16 @@ class Settings:
     # every candidate are then a whole number of the largest N's cycles.
     gsnr_intervals: Sequence[int] = (1,)
     no_xla: bool = True
+    image_size: int = 32  # resnet50's input side (ImageNet: 224)
+    # Reduce through one device: GPUs that are logical parts of one GPU
+    # (NCCL does not run between them).
+    reduce_to_one_device: bool = False
 
 
 MODEL_FACTORIES = {
     "mlp": lambda settings: mlp(settings.mlp_parameters),
     "cnn": lambda settings: cnn(),
-    "resnet50": lambda settings: resnet50(),
+    "resnet50": lambda settings: resnet50(size=settings.image_size),
     "encoder": lambda settings: encoder(),
 }
 # Models measured at a fixed batch per replica (`--batch-per-replica`) rather
@@ -316,9 +320,9 @@ MODEL_FACTORIES = {
 REAL_MODELS = ("resnet50", "encoder")
 
 
-def make_batch(model_name, global_batch, rng):
+def make_batch(model_name, global_batch, rng, image_size=32):
     """A fixed random batch of inputs and integer labels for `model_name`."""
-    shapes = {"mlp": (784,), "cnn": (28, 28, 1), "resnet50": (32, 32, 3)}
+    shapes = {"mlp": (784,), "cnn": (28, 28, 1), "resnet50": (image_size, image_size, 3)}
     if model_name == "encoder":
         x = rng.integers(0, 1000, (global_batch, 32)).astype(np.int32)
     else:
@@ -384,7 +388,10 @@ def measure(settings, gpus=(), report=print):
                 if gpus
                 else [f"/cpu:{i}" for i in range(settings.replicas)]
             )
-            strategy = tf.distribute.MirroredStrategy(devices)
+            cross_device_ops = (
+                tf.distribute.ReductionToOneDevice() if settings.reduce_to_one_device else None
+            )
+            strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
             extra = {}
         else:
             strategy = tf.distribute.get_strategy()
@@ -398,7 +405,7 @@ def measure(settings, gpus=(), report=print):
             global_batch = (
                 settings.batch_per_replica * copies if model_name in REAL_MODELS else settings.batch
             )
-            batch = make_batch(model_name, global_batch, rng)
+            batch = make_batch(model_name, global_batch, rng, settings.image_size)
             model = make_model()
             params, variables = parameter_count(model), len(model.trainable_variables)
             del model
