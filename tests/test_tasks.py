@@ -399,11 +399,24 @@ def test_task_trains_from_files_with_its_twin_and_resumes(kind, tmp_path):
     )
 
 
-@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_unreadable_checkpoints_are_named_and_left_out(tmp_path, capsys):
+    good = tmp_path / "checkpoint-epoch1.keras"
+    with zipfile.ZipFile(good, "w") as archive:
+        archive.writestr("config.json", "{}")
+    (tmp_path / "checkpoint-epoch2.keras").write_bytes(good.read_bytes()[:-10])
+    (tmp_path / "checkpoint-epoch3.keras").write_bytes(b"")
+    assert train.resumable_checkpoints(str(tmp_path), "run") == {1: str(good)}
+    said = capsys.readouterr().out
+    assert f"[run] {tmp_path / 'checkpoint-epoch3.keras'} is unreadable (BadZipFile" in said
+    assert f"[run] {tmp_path / 'checkpoint-epoch2.keras'} is unreadable" in said
+    assert train.resumable_checkpoints(str(tmp_path / "none"), "run") == {}
+
+
+@pytest.mark.parametrize("damage", ["truncated"])
 def test_an_unreadable_newest_checkpoint_is_named_and_skipped(damage, tmp_path):
-    """A rerun whose newest checkpoint is empty or cut short names the file
-    and resumes from the intact one before it (max_to_keep = 2 keeps it),
-    to the uninterrupted run's weights."""
+    """A rerun whose newest checkpoint is cut short names the file and
+    resumes from the intact one before it (max_to_keep = 2 keeps it), to
+    the uninterrupted run's weights."""
     config, overrides, data = TASK_RUNS["dlrm"]
     path = str(tmp_path / data)
     _write("dlrm", path)

@@ -106,6 +106,9 @@ class TaskExperiment:
         if self.train_steps != config_steps:
             self.block = train.rescale_schedule(block, self.train_steps / config_steps, 1.0)
             self.note = f"schedule rescaled from {config_steps} to {self.train_steps} updates"
+        # The schedule's fields, checked before any device is set up (the
+        # optimizers are built, and their fields checked, once they are).
+        config.learning_rate_from_config(self.block)
 
     def updates_in(self, interval):
         """The updates of interval `interval` (the last may have fewer)."""

@@ -264,6 +264,8 @@ class Experiment:
         lr_factor = math.sqrt(self.batch_size / config_batch)
         self.rescaled = abs(step_factor - 1) > 1e-9 or abs(lr_factor - 1) > 1e-9
         self.block = rescale_schedule(block, step_factor, lr_factor) if self.rescaled else block
+        # The schedule's fields, checked before any device is set up.
+        config.learning_rate_from_config(self.block)
         self.note = (
             f"schedule rescaled from {config_steps} to {total} steps, learning rates x "
             f"{lr_factor:.4g} (square-root scaling from batch {config_batch})"
@@ -816,7 +818,8 @@ def main(argv=None):
                 f"vrgd-train: {flag} is for the paper's tasks; a Fashion-MNIST run "
                 "takes --epochs and reads its IDX files."
             )
-    experiment = Experiment.from_args(cfg, args)
+    with _config_errors_exit():
+        experiment = Experiment.from_args(cfg, args)
     devices = setup_devices(experiment.replicas)
 
     import tensorflow as tf
