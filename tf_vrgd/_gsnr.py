@@ -272,7 +272,6 @@ class GSNRMixin:
         """
         if (indices, squares) in self._moment_accumulations:
             return self._moment_accumulations[(indices, squares)]
-        with_squares = squares
         sum_slots = [self._accumulated_gradients[i] for i in indices]
         square_slots = [self._accumulated_squares[i] for i in indices]
         samples = self._accumulated_samples
@@ -284,7 +283,7 @@ class GSNRMixin:
                 # On the tf.Variables (see `ReplicaAccumulationMixin`: Keras'
                 # `assign_add` fails on (0, n) variables).
                 _tf_variable(sum_slot).assign_add(sample)
-                if with_squares:
+                if squares:
                     _tf_variable(square_slot).assign_add(tf.square(sample))
             samples.assign_add(1.0)
 
