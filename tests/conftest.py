@@ -71,3 +71,13 @@ def pytest_terminal_summary(terminalreporter):
     width = max(len(name) for name in errors)
     for name in sorted(errors):
         terminalreporter.write_line(f"{name:<{width}}  {errors[name]:.3e}")
+
+
+@pytest.fixture(scope="session")
+def strategy_2():
+    """Two replicas (the first two devices of `strategy`), reduced through
+    one device."""
+    kind = "cpu" if DEVICES == "cpus" else "gpu"
+    return tf.distribute.MirroredStrategy(
+        [f"/{kind}:0", f"/{kind}:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )

@@ -117,10 +117,17 @@ def raw_gsnr(samples, epsilon=1e-6):
     return raw, mean
 
 
+def measured(samples):
+    """The elements with a GSNR: s > 0 (docs/algorithms.md §2)."""
+    return np.square(np.asarray(samples, np.float64)).mean(axis=0) > 0
+
+
 def gsnr_scale(samples, gamma, epsilon=1e-6):
-    """(r of docs/algorithms.md §2, mean) from the k samples of one variable."""
+    """(r of docs/algorithms.md §2, mean) from the k samples of one variable:
+    the layer mean over the elements with s > 0."""
     raw, mean = raw_gsnr(samples, epsilon)
-    layer_mean = raw.mean()
+    has = measured(samples)
+    layer_mean = raw[has].mean() if has.any() else 0.0
     normalized = raw / layer_mean if layer_mean > 0 else np.ones_like(raw)
     return np.clip(normalized, gamma, 1.0), mean
 
@@ -253,13 +260,18 @@ class VRReference:
     counting those; the updates between apply the last measured scale.
     """
 
-    def __init__(self, weights, rule, gamma, beta_3, epsilon=1e-6, gsnr_interval=1):
+    def __init__(self, weights, rule, gamma, beta_3, epsilon=1e-6, gsnr_interval=1, row_sparse=()):
+        """`row_sparse`: the variables whose gradients arrive as rows (an
+        embedding table): their momentum's bias correction counts, per
+        row, the GSNR updates in which the row had a sample."""
         self.weights = [np.asarray(w, np.float64) for w in weights]
         self.slots = [[np.zeros_like(w) for _ in range(rule.slot_count)] for w in self.weights]
         self.p = [np.zeros_like(w) for w in self.weights]
         self.rule, self.gamma, self.beta_3, self.epsilon = rule, gamma, beta_3, epsilon
         self.interval = gsnr_interval
-        self.last = [None] * len(self.weights)
+        self.row_sparse = set(row_sparse)
+        self.row_counts = [np.zeros(w.shape[:1]) for w in self.weights]
+        self.last = [np.zeros_like(w) for w in self.weights]
         self.t = 0
         self.measured = 0
 
@@ -272,10 +284,23 @@ class VRReference:
             mean = np.asarray(samples, np.float64).mean(axis=0)
             if measure:
                 r, _ = gsnr_scale(samples, self.gamma, self.epsilon)
+                has = measured(samples)
                 if self.beta_3 > 0:
-                    self.p[i] = self.beta_3 * self.p[i] + (1 - self.beta_3) * r
-                    r = self.p[i] / (1 - self.beta_3**self.measured)
-                self.last[i] = r
+                    # Elements without a sample keep their momentum.
+                    new = self.beta_3 * self.p[i] + (1 - self.beta_3) * r
+                    self.p[i] = np.where(has, new, self.p[i])
+                    if i in self.row_sparse:
+                        sampled = has.reshape(has.shape[0], -1).any(axis=1)
+                        self.row_counts[i] += sampled
+                        count = self.row_counts[i].reshape((-1,) + (1,) * (has.ndim - 1))
+                        correction = 1 - self.beta_3**count
+                        with np.errstate(divide="ignore", invalid="ignore"):
+                            r = np.where(correction > 0, self.p[i] / correction, 0.0)
+                    else:
+                        r = self.p[i] / (1 - self.beta_3**self.measured)
+                    self.last[i] = r
+                else:
+                    self.last[i] = np.where(has, r, self.last[i])
             self.weights[i], self.slots[i] = self.rule.step(
                 i, self.weights[i], self.last[i] * mean, self.slots[i], self.t
             )

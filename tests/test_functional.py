@@ -113,14 +113,16 @@ def _gsnr_scale(gradient_mean, second_moment, gamma, epsilon):
     """The factor r of docs/algorithms.md §2, composed as the optimizers
     compose it."""
     return functional.normalized_clipped_gsnr(
-        functional.raw_gsnr(gradient_mean, second_moment, epsilon), gamma
+        functional.raw_gsnr(gradient_mean, second_moment, epsilon),
+        gamma,
+        functional.measured_elements(second_moment),
     )
 
 
 @pytest.mark.parametrize("gamma", [0.1, 0.5, 1.0])
 def test_gsnr_scale_matches_numpy(gamma):
     samples = RNG.standard_normal((8, 5, 7)) + RNG.standard_normal((5, 7)) * 1.5
-    samples[:, 0, 0] = 0.0  # s == 0: raw GSNR 0, clipped to gamma
+    samples[:, 0, 0] = 0.0  # s == 0: no GSNR, out of the layer mean; clipped to gamma
     mean, second = samples.mean(0), np.square(samples).mean(0)
     got = _gsnr_scale(tf.constant(mean, tf.float32), tf.constant(second, tf.float32), gamma, 1e-6)
     expected, _ = ref.gsnr_scale(samples, gamma)

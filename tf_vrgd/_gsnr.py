@@ -81,6 +81,11 @@ class GSNRMixin:
     `_init_gsnr` from `__init__` and list this mixin before the base
     optimizer class."""
 
+    # Whether the base rule's `update_step` takes a `tf.IndexedSlices`
+    # gradient (Keras' SGD and Adam do: SGD without momentum then writes
+    # the rows alone). LARS and LAMB need the whole gradient's norm.
+    _row_sparse_base_rule = True
+
     def _init_gsnr(
         self,
         gamma,
@@ -141,6 +146,17 @@ class GSNRMixin:
             if self.gsnr_interval > 1 and self.beta_3 == 0
             else [None] * len(var_list)
         )
+        # Per row of each variable, the GSNR updates in which the row had a
+        # sample: the bias correction of the GSNR momentum of the variables
+        # whose gradients arrive row-sparse (docs/algorithms.md §3). Read
+        # only for those; which ones they are shows only at the first
+        # update, so every variable with rows has one (a vector, 1/columns
+        # of the variable).
+        self._gsnr_row_updates = (
+            float32_slots("gsnr_row_updates", shape=_rows)
+            if self.beta_3 > 0
+            else [None] * len(var_list)
+        )
         if self.gradient_accumulation_steps:
             # Each replica accumulates its own micro-steps: the samples g_d
             # (Keras' 1/R loss scaling undone), their squares, and their
@@ -152,6 +168,9 @@ class GSNRMixin:
             on_read = dict(synchronization="on_read", aggregation="sum")
             self._accumulated_gradients = float32_slots("gradient_accumulator", **on_read)
             self._accumulated_squares = float32_slots("squared_gradient_accumulator", **on_read)
+            # Rows with a sample in the micro-steps so far (> 0), for the
+            # variables whose gradients arrive row-sparse.
+            self._accumulated_rows = float32_slots("accumulated_rows", shape=_rows, **on_read)
             with keras.name_scope(self.name, caller=self):
                 self._accumulated_samples = keras.Variable(
                     initializer="zeros",
@@ -163,6 +182,7 @@ class GSNRMixin:
                 )  # tracked on assignment
         else:
             self._accumulated_squares = None
+            self._accumulated_rows = None
         # Diagnostics, not state: kept out of `variables` and checkpoints.
         self._gsnr_monitor = _Untracked(
             float32_slots("gsnr_statistics", shape=(statistics.ROW_WIDTH,), track=False)
@@ -174,13 +194,21 @@ class GSNRMixin:
 
     def _float32_slots(self, var_list, name, shape=None, track=True, **kwargs):
         """One float32 variable per variable of `var_list` (GSNR statistics
-        are float32 whatever the variable dtype), of its shape or `shape`."""
+        are float32 whatever the variable dtype), of its shape or `shape`
+        (a shape, or a function of the variable giving one or None for no
+        slot)."""
         slots = []
         for v in var_list:
+            slot_shape = v.shape if shape is None else shape
+            if callable(slot_shape):
+                slot_shape = slot_shape(v)
+                if slot_shape is None:
+                    slots.append(None)
+                    continue
             with keras.name_scope(self.name, caller=self):
                 slot = keras.Variable(
                     initializer="zeros",
-                    shape=v.shape if shape is None else shape,
+                    shape=slot_shape,
                     dtype="float32",
                     trainable=False,
                     name=f"{variable_path(v).replace('/', '_')}_{name}",
@@ -203,60 +231,142 @@ class GSNRMixin:
                 "context (inside `strategy.run`), where each replica holds its "
                 "own gradient."
             )
-        grads = [functional.as_float32(g) for g in grads]
-        grads = self._clip_gradients(grads)
+        grads = [functional.as_float32_slices(g) for g in grads]
+        if self.clipnorm or self.clipvalue or self.global_clipnorm:
+            # Keras clips dense tensors: no row-sparse path with clipping.
+            grads = self._clip_gradients([functional.as_float32(g) for g in grads])
         indices = [self._get_variable_index(v) for v in trainable_variables]
+        # Row-sparse gradients (embedding lookups) take the row-sparse path
+        # (docs/algorithms.md §6), each row once.
+        sparse = tuple(j for j, g in enumerate(grads) if isinstance(g, tf.IndexedSlices))
+        grads = [
+            functional.sum_duplicate_rows(_at_least_one_row(g)) if j in sparse else g
+            for j, g in enumerate(grads)
+        ]
+        rows = None
         if self.gradient_accumulation_steps:
             is_update_step = self._is_update_step()
-            sums, squares, samples = self._accumulate(grads, indices)
+            sums, squares, samples, rows = self._accumulate(grads, indices, sparse, is_update_step)
         elif self.gsnr_interval == 1:
-            sums, squares, samples = grads, [tf.square(g) for g in grads], None
+            sums, squares, samples = grads, _squares(grads), None
         else:
             # Squared only for a GSNR update (an empty stand-in otherwise).
             squares = tf.cond(
                 self._is_gsnr_update(),
-                lambda: [tf.square(g) for g in grads],
-                lambda: [tf.zeros([0]) for _ in grads],
+                lambda: _squares(grads),
+                lambda: [_empty_like(g, doubled=True) for g in grads],
             )
             for square, gradient in zip(squares, grads):
                 # Read in the GSNR branch of `_cross_replica_update` only.
-                square.set_shape(gradient.shape)
+                if not isinstance(gradient, tf.IndexedSlices):
+                    square.set_shape(gradient.shape)
             sums, samples = grads, None
         replica_context.merge_call(
             self._cross_replica_update,
-            args=(sums, squares, samples, list(trainable_variables), indices),
+            args=(sums, squares, samples, list(trainable_variables), indices, sparse),
         )
         if self.gradient_accumulation_steps:
             # After the update has read the sums (reads are ordered before
             # later writes to the same variable).
             tf.cond(
-                is_update_step, functools.partial(self._reset_accumulators, indices), lambda: None
+                is_update_step,
+                functools.partial(self._reset_accumulators, indices, sparse, rows),
+                lambda: None,
             )
         # Keras' EMA order and cadence (once per `apply`, micro-steps
         # included), so that the averages match the base optimizer's.
         apply_moving_average(self, replica_context)
 
-    def _accumulate(self, grads, indices):
+    def _accumulate(self, grads, indices, sparse, is_update_step):
         """Adds this micro-step's gradients and their squares to the
-        replica's running sums, in place, and returns the new sums.
+        replica's running sums, in place, and returns the new sums (and,
+        for row-sparse gradients, the rows they hold).
 
         One pass over memory (reads g and both sums, writes both sums: 20
-        B/param in fp32) in one XLA call for all variables, unless
-        `jit_update` is False.
+        B/param in fp32) in one XLA call for all dense variables, unless
+        `jit_update` is False. Row-sparse gradients add their rows (at the
+        cost of the rows) and mark them; at the update, each replica
+        gathers the rows it marked.
         """
-        accumulate = self._moment_accumulation(tuple(indices), squares=True)
+        dense = tuple(indices[j] for j in range(len(grads)) if j not in sparse)
+        dense_grads = [g for j, g in enumerate(grads) if j not in sparse]
+        accumulate = self._moment_accumulation(dense, squares=True)
+        add_rows = functools.partial(self._accumulate_rows, [indices[j] for j in sparse])
+        sparse_grads = [grads[j] for j in sparse]
+
+        def add(measure):
+            if measure:
+                accumulate(dense_grads)
+            else:
+                self._moment_accumulation(dense, squares=False)(dense_grads)
+            add_rows(sparse_grads, measure)
+
         if self.gsnr_interval == 1:
-            accumulate(grads)
+            add(True)
         else:
             # No square is taken for an update that does not measure the GSNR.
-            tf.cond(
-                self._is_gsnr_update(),
-                lambda: accumulate(grads),
-                lambda: self._moment_accumulation(tuple(indices), squares=False)(grads),
+            tf.cond(self._is_gsnr_update(), lambda: add(True), lambda: add(False))
+        sums, squares, rows = [], [], []
+        for j, i in enumerate(indices):
+            if j in sparse:
+                gathered = self._gathered_rows(i, grads[j], is_update_step)
+                rows.append(gathered[0])
+                sums.append(gathered[1])
+                squares.append(gathered[2])
+            else:
+                sums.append(self._accumulated_gradients[i].value.read_value())
+                squares.append(self._accumulated_squares[i].value.read_value())
+        return sums, squares, self._accumulated_samples.value.read_value(), rows
+
+    def _accumulate_rows(self, indices, grads, squares):
+        """Adds row-sparse micro-step gradients (`g_d = R * g`) and, if
+        `squares`, their squares to the replica's sums at their rows, and
+        marks the rows."""
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        for i, gradient in zip(indices, grads):
+            sample = gradient.values * float(replicas) if replicas > 1 else gradient.values
+            rows = gradient.indices
+            _replica_copy(self._accumulated_gradients[i]).scatter_add(
+                tf.IndexedSlices(sample, rows)
             )
-        sums = [self._accumulated_gradients[i].value.read_value() for i in indices]
-        squares = [self._accumulated_squares[i].value.read_value() for i in indices]
-        return sums, squares, self._accumulated_samples.value.read_value()
+            if squares:
+                _replica_copy(self._accumulated_squares[i]).scatter_add(
+                    tf.IndexedSlices(tf.square(sample), rows)
+                )
+            _replica_copy(self._accumulated_rows[i]).scatter_update(
+                tf.IndexedSlices(tf.ones_like(rows, tf.float32), rows)
+            )
+
+    def _gathered_rows(self, index, gradient, is_update_step):
+        """At an update step, this replica's marked rows of variable
+        `index` and its sums there: ``(rows, sums, sums and squares side
+        by side)`` (`_squares`' layout; an empty stand-in for the last
+        between GSNR updates); empty otherwise."""
+        marks = _replica_copy(self._accumulated_rows[index])
+        sum_slot = _replica_copy(self._accumulated_gradients[index])
+        square_slot = _replica_copy(self._accumulated_squares[index])
+        shape = gradient.dense_shape
+
+        def gather(measure):
+            rows = tf.cast(tf.where(marks.read_value() > 0.0)[:, 0], gradient.indices.dtype)
+            rows = _at_least_one_row(tf.IndexedSlices(rows[:, None], rows)).indices
+            sums = tf.IndexedSlices(sum_slot.sparse_read(rows), rows, shape)
+            if measure:
+                moments = _side_by_side(sums.values, square_slot.sparse_read(rows), sums)
+            else:
+                moments = _empty_like(gradient, doubled=True)
+            return rows, sums, moments
+
+        def none():
+            empty = _empty_like(gradient)
+            return empty.indices, empty, _empty_like(gradient, doubled=True)
+
+        def at_update():
+            if self.gsnr_interval == 1:
+                return gather(True)
+            return tf.cond(self._is_gsnr_update(), lambda: gather(True), lambda: gather(False))
+
+        return tf.cond(is_update_step, at_update, none)
 
     def _moment_accumulation(self, indices, squares):
         """``sum += g_d; squares += g_d^2; samples += 1`` for the variables
@@ -292,17 +402,28 @@ class GSNRMixin:
         self._moment_accumulations[(indices, squares)] = accumulate
         return accumulate
 
-    def _reset_accumulators(self, indices):
+    def _reset_accumulators(self, indices, sparse, rows):
         def reset(slots):
             for slot in slots:
                 slot.assign(tf.zeros(slot.shape, slot.dtype))
 
-        reset(self._accumulated_gradients[i] for i in indices)
-        squares = [self._accumulated_squares[i] for i in indices]
+        dense = [i for j, i in enumerate(indices) if j not in sparse]
+        reset(self._accumulated_gradients[i] for i in dense)
+        squares = [self._accumulated_squares[i] for i in dense]
         if self.gsnr_interval == 1:
             reset(squares)
         else:  # the squares hold sums at GSNR updates only
             tf.cond(self._is_gsnr_update(), lambda: reset(squares), lambda: None)
+        # Row-sparse sums: zeros at the rows they hold, at the cost of the rows.
+        for j, marked in zip(sparse, rows):
+            i = indices[j]
+            for slots in (self._accumulated_gradients, self._accumulated_squares):
+                slot = _replica_copy(slots[i])
+                zeros = tf.zeros(tf.concat([tf.shape(marked), slot.shape[1:]], 0), slot.dtype)
+                slot.scatter_update(tf.IndexedSlices(zeros, marked))
+            _replica_copy(self._accumulated_rows[i]).scatter_update(
+                tf.IndexedSlices(tf.zeros_like(marked, tf.float32), marked)
+            )
         self._accumulated_samples.assign(0.0)
 
     def check_sample_count(self, replicas: int) -> None:
@@ -336,25 +457,34 @@ class GSNRMixin:
         GSNR momentum's bias correction counts them)."""
         return tf.cast(self.iterations // self.gsnr_interval + 1, tf.float32)
 
-    def _cross_replica_update(self, distribution, sums, squares, samples, variables, indices):
+    def _cross_replica_update(
+        self, distribution, sums, squares, samples, variables, indices, sparse
+    ):
         tf_variables = [_tf_variable(v) for v in variables]
+        dense = [j for j in range(len(variables)) if j not in sparse]
+        dense_indices = tuple(indices[j] for j in dense)
+        sparse_indices = tuple(indices[j] for j in sparse)
 
         def update(measure):
-            # One collective for both sums of every variable (and, with
+            # One collective call for both sums of every variable (and, with
             # accumulation, the sample count); between GSNR updates, for the
-            # gradient sums alone.
-            moments = sums + squares if measure else sums
-            values = list(zip(moments, tf_variables * (len(moments) // len(tf_variables))))
+            # gradient sums alone. Row-sparse sums travel as the rows each
+            # replica holds (sums and squares side by side), gathered, not
+            # summed into a table.
+            values = [(sums[j], tf_variables[j]) for j in dense]
+            if measure:
+                values += [(squares[j], tf_variables[j]) for j in dense]
+            values += [((squares if measure else sums)[j], tf_variables[j]) for j in sparse]
             if samples is not None:
                 values.append((samples, tf_variables[0]))
             reduced = distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, values)
-            count = len(tf_variables)
-            sample_count = reduced[len(moments)] if samples is not None else None
+            count = len(dense)
+            rows_start = 2 * count if measure else count
             learning_rate = tf.convert_to_tensor(self.learning_rate)
             device_update = (
-                self._device_update(tuple(indices))
+                self._device_update(dense_indices, sparse_indices)
                 if measure
-                else self._device_scale_update(tuple(indices))
+                else self._device_scale_update(dense_indices, sparse_indices)
             )
             # `fn` runs once per device holding the variables, inside that
             # device's update context: one compiled program per device updates
@@ -365,7 +495,8 @@ class GSNRMixin:
                 args=(
                     reduced[:count],
                     reduced[count : 2 * count] if measure else None,
-                    sample_count,
+                    reduced[rows_start : rows_start + len(sparse)],
+                    reduced[-1] if samples is not None else None,
                     learning_rate,
                     self._gsnr_update_count(),
                     distribution.num_replicas_in_sync,
@@ -389,9 +520,10 @@ class GSNRMixin:
             # In cross-replica context, so that no merge_call sits in a cond.
             tf.cond(self._is_update_step(), gsnr_or_scale_update, lambda: None)
 
-    def _device_update(self, indices):
-        """The VR update of the variables at `indices` on one device, made
-        once per set of variables and traced once per device.
+    def _device_update(self, indices, sparse_indices=()):
+        """The VR update of the variables at `indices` (dense gradients) and
+        `sparse_indices` (row-sparse ones, `_row_sparse_update`) on one
+        device, made once per set of variables and traced once per device.
 
         Variables are split by size. Those over `PACKED_MAX_ELEMENTS`
         elements are updated by one XLA program (unless `jit_update` is
@@ -408,8 +540,9 @@ class GSNRMixin:
         so each device gets one trace of its own, whatever the number of
         variables.
         """
-        if indices in self._variable_updates:
-            return self._variable_updates[indices]
+        key = (indices, sparse_indices)
+        if key in self._variable_updates:
+            return self._variable_updates[key]
         sizes = [variable_size(self._trainable_variables[i]) for i in indices]
         fused = [j for j, size in enumerate(sizes) if size > PACKED_MAX_ELEMENTS]
         packed = [j for j, size in enumerate(sizes) if size <= PACKED_MAX_ELEMENTS]
@@ -428,25 +561,29 @@ class GSNRMixin:
         # (Converted, this closure raised "name 'fused_update' is not
         # defined" in a one-device tf.function once other tests of the same
         # process had converted updates of other optimizers.)
+        row_update = self._row_sparse_update(sparse_indices, measure=True)
+
         @tf.autograph.experimental.do_not_convert
-        def device_update(sums, squares, *scalars):
+        def device_update(sums, squares, row_moments, *scalars):
             for update, positions in ((fused_update, fused), (packed_update, packed)):
                 if positions:
                     update([sums[j] for j in positions], [squares[j] for j in positions], *scalars)
+            if sparse_indices:
+                row_update(row_moments, *scalars)
 
         # The compiled program, whose traces the tests count.
         device_update.compiled = fused_update if fused and self.jit_update else None
-        self._variable_updates[indices] = device_update
+        self._variable_updates[key] = device_update
         return device_update
 
-    def _device_scale_update(self, indices):
+    def _device_scale_update(self, indices, sparse_indices=()):
         """The update of the variables at `indices` between GSNR updates, on
         one device: the mean gradient from the reduced sums, times the scale
         of the last GSNR update (its `gsnr_scale` slot, or with beta_3 > 0
         the GSNR momentum over the correction, which counts GSNR updates),
         then the base rule. Split by size like `_device_update`: the large
         variables in one XLA program, the small ones as Keras runs them."""
-        key = ("scale", indices)
+        key = ("scale", indices, sparse_indices)
         if key in self._variable_updates:
             return self._variable_updates[key]
         sizes = [variable_size(self._trainable_variables[i]) for i in indices]
@@ -487,11 +624,15 @@ class GSNRMixin:
         # (Converted, this closure raised "name 'fused_update' is not
         # defined" in a one-device tf.function once other tests of the same
         # process had converted updates of other optimizers.)
+        row_update = self._row_sparse_update(sparse_indices, measure=False)
+
         @tf.autograph.experimental.do_not_convert
-        def device_update(sums, squares, *scalars):
+        def device_update(sums, squares, row_sums, *scalars):
             for update, positions in ((fused_update, fused), (packed_update, packed)):
                 if positions:
                     update([sums[j] for j in positions], *scalars)
+            if sparse_indices:
+                row_update(row_sums, *scalars)
 
         self._variable_updates[key] = device_update
         return device_update
@@ -540,20 +681,22 @@ class GSNRMixin:
                 flatten(sums), flatten(squares), samples, replicas
             )
             gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
-            scale, layer_means = functional.segment_normalized_clipped_gsnr(
-                gsnr, segments, sizes, hyper["gamma"]
+            measured = functional.measured_elements(second_moment)
+            scale, layer_means, counts = functional.segment_normalized_clipped_gsnr(
+                gsnr, segments, sizes, hyper["gamma"], measured
             )
             applied = scale
             if scale_slots[0] is not None:
+                scale = tf.where(measured, scale, flatten(scale_slots))
                 _assign_split(scale_slots, scale, sizes)
             if momentum_slots[0] is not None:
                 momentum, applied = functional.corrected_gsnr_momentum(
-                    flatten(momentum_slots), scale, hyper["beta_3"], hyper["correction"]
+                    flatten(momentum_slots), scale, hyper["beta_3"], hyper["correction"], measured
                 )
                 _assign_split(momentum_slots, momentum, sizes)
             if statistics_slots[0] is not None:
                 rows = functional.segment_gsnr_statistics(
-                    layer_means, scale, applied, segments, sizes, self.gamma
+                    layer_means, scale, applied, segments, counts, self.gamma, measured
                 )
                 for slot, row in zip(statistics_slots, tf.unstack(rows)):
                     slot.assign_add(tf.concat([row, [1.0]], 0))
@@ -564,6 +707,87 @@ class GSNRMixin:
                 )
 
         return packed_update
+
+    def _row_sparse_update(self, indices, measure):
+        """The VR update of the variables at `indices` from row-sparse sums,
+        on one device, at the cost of the rows: the reduced rows of every
+        replica (duplicates across replicas summed), their moments, GSNR
+        and momentum (the layer mean over the measured elements: rows no
+        sample touched have none), the slots written at those rows, and the
+        base rule given the scaled rows as a `tf.IndexedSlices` (as Keras
+        applies an embedding's gradient). Between GSNR updates
+        (`measure` False) the sums hold gradients alone and the rows' last
+        scale is applied. Runs outside XLA: the number of rows is known
+        only at run time."""
+        targets = []
+        for i in indices:
+            keras_variable = self._trainable_variables[i]
+            targets.append(
+                (
+                    _tf_variable(keras_variable),
+                    bool(self.weight_decay) and self._use_weight_decay(keras_variable),
+                    _optional_tf_variable(self._gsnr_scales[i]),
+                    _optional_tf_variable(self._gsnr_momentums[i]),
+                    _optional_tf_variable(self._gsnr_row_updates[i]),
+                    self._gsnr_monitor.value[i],
+                )
+            )
+
+        def row_update(reduced, samples, learning_rate, step, replicas):
+            for target, rows_of_replicas in zip(targets, reduced):
+                variable, decays, scale_slot, momentum_slot, count_slot, _ = target
+                table_shape = tf.constant(variable.shape.as_list(), tf.int64)
+                gradient = functional.sum_duplicate_rows(rows_of_replicas)
+                rows = gradient.indices
+                if measure:
+                    sums, squares = tf.split(gradient.values, 2, axis=-1)
+                    gradient_mean, second_moment = _moments(sums, squares, samples, replicas)
+                    applied = self._measured_row_scale(
+                        rows, gradient_mean, second_moment, target[2:]
+                    )
+                else:
+                    sums = gradient.values
+                    gradient_mean = sums if samples is None else sums / samples
+                    if momentum_slot is not None:
+                        counts = _row_broadcast(tf.gather(count_slot, rows), sums)
+                        correction = functional.gsnr_momentum_correction(self.beta_3, counts)
+                        applied = tf.math.divide_no_nan(tf.gather(momentum_slot, rows), correction)
+                    else:
+                        applied = tf.gather(scale_slot, rows)
+                scaled = tf.IndexedSlices(applied * gradient_mean, rows, table_shape)
+                self._apply_base_rule(variable, decays, scaled, learning_rate)
+
+        return row_update
+
+    def _measured_row_scale(self, rows, gradient_mean, second_moment, slots):
+        """GSNR, clip and momentum of the `rows` of one variable at a GSNR
+        update; writes its slots at those rows and returns the applied
+        factor."""
+        scale_slot, momentum_slot, count_slot, statistics_slot = slots
+        gsnr = functional.raw_gsnr(gradient_mean, second_moment, self.gsnr_epsilon)
+        measured = functional.measured_elements(second_moment)
+        scale = functional.normalized_clipped_gsnr(gsnr, self.gamma, measured)
+        applied = scale
+        if scale_slot is not None:
+            scale = tf.where(measured, scale, tf.gather(scale_slot, rows))
+            scale_slot.scatter_update(tf.IndexedSlices(scale, rows))
+        if momentum_slot is not None:
+            # Each row's bias correction counts the GSNR updates in which it
+            # had a sample (docs/algorithms.md §3).
+            sampled = tf.reduce_any(measured, axis=list(range(1, measured.shape.rank)))
+            counts = tf.gather(count_slot, rows) + tf.cast(sampled, tf.float32)
+            count_slot.scatter_update(tf.IndexedSlices(counts, rows))
+            correction = functional.gsnr_momentum_correction(
+                self.beta_3, _row_broadcast(counts, scale)
+            )
+            momentum, applied = functional.corrected_gsnr_momentum(
+                tf.gather(momentum_slot, rows), scale, self.beta_3, correction, measured
+            )
+            momentum_slot.scatter_update(tf.IndexedSlices(momentum, rows))
+        if statistics_slot is not None:
+            row = functional.gsnr_statistics(gsnr, scale, applied, self.gamma, measured)
+            statistics_slot.assign_add(tf.concat([row, [1.0]], 0))
+        return applied
 
     def _variable_update(self, index):
         """The VR update of one variable, as a Python function of the reduced
@@ -580,20 +804,22 @@ class GSNRMixin:
                 sum_of_gradients, sum_of_squares, samples, replicas
             )
             gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
-            scale = functional.normalized_clipped_gsnr(gsnr, hyper["gamma"])
+            measured = functional.measured_elements(second_moment)
+            scale = functional.normalized_clipped_gsnr(gsnr, hyper["gamma"], measured)
             applied = scale
             if scale_slot is not None:
+                scale = tf.where(measured, scale, scale_slot)
                 scale_slot.assign(scale)
             if gsnr_momentum_slot is not None:
                 momentum, applied = functional.corrected_gsnr_momentum(
-                    gsnr_momentum_slot, scale, hyper["beta_3"], hyper["correction"]
+                    gsnr_momentum_slot, scale, hyper["beta_3"], hyper["correction"], measured
                 )
                 gsnr_momentum_slot.assign(momentum)
             if statistics_slot is not None:
                 # Running sums of tf_vrgd.statistics' columns and the update
                 # count. Off by default: XLA on CPU runs these reductions
                 # slowly (`scripts/bench_step.py --statistics`).
-                row = functional.gsnr_statistics(gsnr, scale, applied, self.gamma)
+                row = functional.gsnr_statistics(gsnr, scale, applied, self.gamma, measured)
                 statistics_slot.assign_add(tf.concat([row, [1.0]], 0))
             self._apply_base_rule(variable, decays, applied * gradient_mean, learning_rate)
 
@@ -601,7 +827,11 @@ class GSNRMixin:
 
     def _apply_base_rule(self, variable, decays, scaled_gradient, learning_rate):
         """Keras' decoupled weight decay (if `decays`, applied as Keras does),
-        then the base rule's `update_step` on the scaled gradient."""
+        then the base rule's `update_step` on the scaled gradient (a
+        `tf.IndexedSlices` for row-sparse gradients, made dense first for
+        base rules that are dense by nature: `_row_sparse_base_rule`)."""
+        if isinstance(scaled_gradient, tf.IndexedSlices) and not self._row_sparse_base_rule:
+            scaled_gradient = tf.convert_to_tensor(scaled_gradient)
         if decays:
             _decay(variable, self.weight_decay, learning_rate)
         self.update_step(tf.cast(scaled_gradient, variable.dtype), variable, learning_rate)
@@ -682,6 +912,78 @@ def find_vr_optimizer(optimizer: keras.optimizers.Optimizer | None) -> GSNRMixin
     while optimizer is not None and not isinstance(optimizer, GSNRMixin):
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return optimizer
+
+
+def _rows(variable):
+    """The shape of a per-row slot of `variable`, None for a scalar."""
+    return (variable.shape[0],) if len(variable.shape) else None
+
+
+def _row_broadcast(per_row, like):
+    """`per_row` ([rows]) reshaped to broadcast against `like` ([rows, ...])."""
+    return tf.reshape(per_row, [-1] + [1] * (like.shape.rank - 1))
+
+
+def _at_least_one_row(slices):
+    """`slices`, or row 0 with zeros where it has no rows: a zero row
+    changes no sum, and with TensorFlow 2.21's collectives on CPU, rows
+    made by `tf.unique` of nothing on every replica and then all-gathered
+    end the process (a segmentation fault; so do Keras' own optimizers
+    given an empty `tf.IndexedSlices` on every replica)."""
+    missing = tf.cast(tf.equal(tf.size(slices.indices), 0), tf.int32)
+    padding = tf.zeros(tf.concat([[missing], tf.shape(slices.values)[1:]], 0), slices.values.dtype)
+    return tf.IndexedSlices(
+        tf.concat([slices.values, padding], 0),
+        tf.concat([slices.indices, tf.zeros([missing], slices.indices.dtype)], 0),
+        slices.dense_shape,
+    )
+
+
+def _replica_copy(slot):
+    """This replica's own copy of an on-read slot, in replica context: the
+    distributed variable takes no scatter (TensorFlow's
+    `_get_on_device_or_primary`, which its own reads use; a plain variable
+    outside a strategy is its own copy)."""
+    variable = _tf_variable(slot)
+    local = getattr(variable, "_get_on_device_or_primary", None)
+    return local() if local is not None else variable
+
+
+def _optional_tf_variable(slot):
+    return None if slot is None else _tf_variable(slot)
+
+
+def _squares(grads):
+    """What the GSNR update reduces beside the gradient sums: the squares
+    of dense gradients, and for row-sparse ones the rows' values and their
+    squares side by side (one gathered message per variable)."""
+    out = []
+    for g in grads:
+        if isinstance(g, tf.IndexedSlices):
+            out.append(_side_by_side(g.values, tf.square(g.values), g))
+        else:
+            out.append(tf.square(g))
+    return out
+
+
+def _side_by_side(sums, squares, like):
+    """Row sums and squares as one `tf.IndexedSlices` (the last axis
+    doubled, in its values and its dense shape) at the rows of `like`."""
+    shape = tf.cast(like.dense_shape, tf.int64)
+    shape = tf.concat([shape[:-1], 2 * shape[-1:]], 0)
+    return tf.IndexedSlices(tf.concat([sums, squares], -1), like.indices, shape)
+
+
+def _empty_like(gradient, doubled=False):
+    """An empty stand-in of the kind of `gradient` (for a `tf.cond` branch
+    whose value is not read); of `_side_by_side`'s kind if `doubled`."""
+    if isinstance(gradient, tf.IndexedSlices):
+        values = tf.zeros([0, *gradient.values.shape[1:]], gradient.values.dtype)
+        empty = tf.IndexedSlices(
+            values, tf.zeros([0], gradient.indices.dtype), gradient.dense_shape
+        )
+        return _side_by_side(values, values, empty) if doubled else empty
+    return tf.zeros([0])
 
 
 def _assign_split(slots, flat, sizes):

@@ -31,6 +31,14 @@ def as_float32(value: TensorLike) -> tf.Tensor:
     return tf.cast(value, tf.float32)
 
 
+def as_float32_slices(value: TensorLike) -> tf.Tensor | tf.IndexedSlices:
+    """`as_float32`, except that `tf.IndexedSlices` stay row-sparse (their
+    values in float32)."""
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(value.values, tf.float32), value.indices, value.dense_shape)
+    return tf.cast(value, tf.float32)
+
+
 def l2_norm(tensor: TensorLike) -> tf.Tensor:
     """Euclidean norm of all elements of `tensor`, as a float32 scalar."""
     tensor = tf.cast(tensor, tf.float32)
@@ -213,21 +221,43 @@ def raw_gsnr(gradient_mean: tf.Tensor, second_moment: tf.Tensor, epsilon: Scalar
     return tf.math.divide_no_nan(squared_mean, denominator)
 
 
-def normalized_clipped_gsnr(gsnr: tf.Tensor, gamma: Scalar) -> tf.Tensor:
+def measured_elements(second_moment: tf.Tensor) -> tf.Tensor:
+    """Where the GSNR exists: the elements with s > 0, those for which some
+    sample is non-zero (docs/algorithms.md §2). An element with s == 0 (a
+    row of an embedding table that no sample looked up, a dead unit) takes
+    no part in the layer mean and leaves its GSNR momentum as it was."""
+    return second_moment > 0.0
+
+
+def normalized_clipped_gsnr(
+    gsnr: tf.Tensor, gamma: Scalar, measured: tf.Tensor | None = None
+) -> tf.Tensor:
     """Divides by the layer (variable) mean and clips to [gamma, 1].
 
-    Eq. 8 and 9 of the paper; where the layer mean is 0 (no signal at all)
-    the normalised ratio is 1 everywhere: `divide_no_nan` gives 0 there, and
-    the lower clip is then 1 instead of gamma.
+    Eq. 8 and 9 of the paper. The mean is over the `measured` elements
+    (`measured_elements`; all of them if None); `raw_gsnr` is 0 elsewhere,
+    so it is the sum over all over the measured count. Where the layer mean
+    is 0 (no signal at all) the normalised ratio is 1 everywhere:
+    `divide_no_nan` gives 0 there, and the lower clip is then 1 instead of
+    gamma.
     """
-    layer_mean = tf.reduce_mean(gsnr)
+    if measured is None:
+        layer_mean = tf.reduce_mean(gsnr)
+    else:
+        layer_mean = tf.math.divide_no_nan(
+            tf.reduce_sum(gsnr), tf.reduce_sum(tf.cast(measured, tf.float32))
+        )
     floor = tf.where(layer_mean > 0.0, tf.cast(gamma, tf.float32), 1.0)
     return tf.clip_by_value(tf.math.divide_no_nan(gsnr, layer_mean), floor, 1.0)
 
 
 def segment_normalized_clipped_gsnr(
-    gsnr: tf.Tensor, segment_ids: tf.Tensor, sizes: Sequence[int], gamma: Scalar
-) -> tuple[tf.Tensor, tf.Tensor]:
+    gsnr: tf.Tensor,
+    segment_ids: tf.Tensor,
+    sizes: Sequence[int],
+    gamma: Scalar,
+    measured: tf.Tensor | None = None,
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """`normalized_clipped_gsnr` of several variables packed into one flat
     vector: element i belongs to variable ``segment_ids[i]``, variable j has
     ``sizes[j]`` elements (Python ints, in order).
@@ -236,17 +266,25 @@ def segment_normalized_clipped_gsnr(
     many elements a variable has beyond float32 round-off.
 
     Returns:
-        ``(scale, layer_means)``: the flat factor in [gamma, 1] and the
-        float32 mean GSNR of each variable (0 for an empty one).
+        ``(scale, layer_means, counts)``: the flat factor in [gamma, 1], the
+        float32 mean GSNR of each variable over its measured elements (0
+        for a variable without any) and the float32 number of measured
+        elements of each.
     """
     totals = tf.math.unsorted_segment_sum(
         tf.cast(gsnr, tf.float64), segment_ids, num_segments=len(sizes)
     )
-    counts = tf.constant([max(size, 1) for size in sizes], tf.float64)
-    layer_means = tf.cast(totals / counts, tf.float32)
+    if measured is None:
+        counts = tf.constant(sizes, tf.float64)
+    else:
+        counts = tf.math.unsorted_segment_sum(
+            tf.cast(measured, tf.float64), segment_ids, num_segments=len(sizes)
+        )
+    layer_means = tf.cast(tf.math.divide_no_nan(totals, counts), tf.float32)
     floors = tf.where(layer_means > 0.0, tf.cast(gamma, tf.float32), 1.0)
     normalized = tf.math.divide_no_nan(gsnr, tf.gather(layer_means, segment_ids))
-    return tf.clip_by_value(normalized, tf.gather(floors, segment_ids), 1.0), layer_means
+    scale = tf.clip_by_value(normalized, tf.gather(floors, segment_ids), 1.0)
+    return scale, layer_means, tf.cast(counts, tf.float32)
 
 
 def segment_gsnr_statistics(
@@ -254,22 +292,29 @@ def segment_gsnr_statistics(
     scale: tf.Tensor,
     applied: tf.Tensor,
     segment_ids: tf.Tensor,
-    sizes: Sequence[int],
+    counts: tf.Tensor,
     gamma: float,
+    measured: tf.Tensor | None = None,
 ) -> tf.Tensor:
     """`gsnr_statistics` of each variable of a packed vector (see
-    `segment_normalized_clipped_gsnr`): float32 ``[variables, 4]`` rows;
-    fractions and the applied mean are 0 for an empty variable."""
-    counts = tf.constant([max(size, 1) for size in sizes], tf.float32)
+    `segment_normalized_clipped_gsnr`, which gives `counts`): float32
+    ``[variables, 4]`` rows over each variable's measured elements;
+    fractions and the applied mean are 0 for a variable without any."""
     columns = tf.stack(
         [tf.cast(scale <= gamma, tf.float32), tf.cast(scale >= 1.0, tf.float32), applied], axis=1
     )
-    means = tf.math.unsorted_segment_sum(columns, segment_ids, len(sizes)) / counts[:, None]
-    return tf.concat([layer_means[:, None], means], axis=1)
+    if measured is not None:
+        columns *= tf.cast(measured, tf.float32)[:, None]
+    sums = tf.math.unsorted_segment_sum(columns, segment_ids, tf.shape(counts)[0])
+    return tf.concat([layer_means[:, None], tf.math.divide_no_nan(sums, counts[:, None])], axis=1)
 
 
 def gsnr_statistics(
-    gsnr: tf.Tensor, scale: tf.Tensor, applied: tf.Tensor, gamma: float
+    gsnr: tf.Tensor,
+    scale: tf.Tensor,
+    applied: tf.Tensor,
+    gamma: float,
+    measured: tf.Tensor | None = None,
 ) -> tf.Tensor:
     """Summary of one variable's GSNR for monitoring, in the order of
     `tf_vrgd.statistics.NAMES`.
@@ -279,20 +324,21 @@ def gsnr_statistics(
         scale: the normalised, clipped factor r (`normalized_clipped_gsnr`).
         applied: the factor applied to gbar (r, or phat with GSNR momentum).
         gamma: the lower clip.
+        measured: the elements to summarise (`measured_elements`), or None
+            for all.
 
     Returns:
         float32 ``[mean raw GSNR, fraction of elements at gamma, fraction at
-        1, mean applied factor]``. With ``gamma = 1`` every element is at
-        both bounds.
+        1, mean applied factor]`` over the measured elements (0 if there
+        are none). With ``gamma = 1`` every element is at both bounds.
     """
-    return tf.stack(
-        [
-            tf.reduce_mean(gsnr),
-            tf.reduce_mean(tf.cast(scale <= gamma, tf.float32)),
-            tf.reduce_mean(tf.cast(scale >= 1.0, tf.float32)),
-            tf.reduce_mean(applied),
-        ]
-    )
+    columns = [gsnr, tf.cast(scale <= gamma, tf.float32), tf.cast(scale >= 1.0, tf.float32)]
+    columns.append(tf.broadcast_to(applied, tf.shape(gsnr)))
+    if measured is None:
+        return tf.stack([tf.reduce_mean(c) for c in columns])
+    weight = tf.cast(measured, tf.float32)
+    count = tf.reduce_sum(weight)
+    return tf.stack([tf.math.divide_no_nan(tf.reduce_sum(c * weight), count) for c in columns])
 
 
 def gsnr_momentum(
@@ -310,22 +356,43 @@ def gsnr_momentum(
 
 
 def corrected_gsnr_momentum(
-    previous: TensorLike, gsnr: tf.Tensor, beta_3: Scalar, correction: Scalar
+    previous: TensorLike,
+    gsnr: tf.Tensor,
+    beta_3: Scalar,
+    correction: Scalar,
+    measured: tf.Tensor | None = None,
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """`gsnr_momentum` with its bias correction ``1 - beta_3^t`` given, so
-    that one scalar serves every variable of an update.
+    that one scalar serves every variable of an update (or, for the rows
+    of an embedding table, a tensor that broadcasts against `gsnr`: each
+    row's own count; 0 for a row never measured gives phat = 0).
+
+    Elements not `measured` (`measured_elements`) keep their momentum.
 
     Returns:
         ``(p_t, p_t / correction)``.
     """
     new = beta_3 * previous + (1.0 - beta_3) * gsnr
-    return new, new / correction
+    if measured is not None:
+        new = tf.where(measured, new, previous)
+    return new, tf.math.divide_no_nan(new, correction)
 
 
 def gsnr_momentum_correction(beta_3: float, step: Scalar) -> tf.Tensor:
-    """The bias correction ``1 - beta_3^t`` of `gsnr_momentum`, a scalar
-    shared by every variable of an update."""
+    """The bias correction ``1 - beta_3^t`` of `gsnr_momentum`: a scalar
+    shared by every variable of an update, or element-wise for a tensor of
+    per-row counts (0 where a row was never measured)."""
     return 1.0 - tf.pow(tf.cast(beta_3, tf.float32), tf.cast(step, tf.float32))
+
+
+def sum_duplicate_rows(gradient: tf.IndexedSlices) -> tf.IndexedSlices:
+    """The same gradient with each row index once: the values of repeated
+    indices (an `Embedding` looked up twice in a batch) summed, rows in
+    order of first appearance. Its cost is that of the rows, not of the
+    table."""
+    rows, positions = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(rows)[0])
+    return tf.IndexedSlices(values, rows, gradient.dense_shape)
 
 
 def adam_direction(

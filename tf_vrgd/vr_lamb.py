@@ -26,6 +26,8 @@ class VRLAMB(GSNRMixin, LAMB):
                 `tf_vrgd.LAMB` (defaults 0.001, 0.9, 0.999, 1e-6, 0.0, None, None).
     {vr_args}"""
 
+    _row_sparse_base_rule = False  # the trust ratio needs the whole gradient
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,

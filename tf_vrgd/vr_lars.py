@@ -26,6 +26,8 @@ class VRLARS(GSNRMixin, LARS):
                 `tf_vrgd.LARS` (defaults 0.9, False, 0.001, 0.0, None, None).
     {vr_args}"""
 
+    _row_sparse_base_rule = False  # the trust ratio needs the whole gradient
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.1,
