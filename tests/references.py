@@ -271,7 +271,8 @@ class VRReference:
         self.interval = gsnr_interval
         self.row_sparse = set(row_sparse)
         self.row_counts = [np.zeros(w.shape[:1]) for w in self.weights]
-        self.last = [np.zeros_like(w) for w in self.weights]
+        # 1 (the base rule) where nothing has been measured yet.
+        self.last = [np.ones_like(w) for w in self.weights]
         self.t = 0
         self.measured = 0
 
@@ -295,7 +296,8 @@ class VRReference:
                         count = self.row_counts[i].reshape((-1,) + (1,) * (has.ndim - 1))
                         correction = 1 - self.beta_3**count
                         with np.errstate(divide="ignore", invalid="ignore"):
-                            r = np.where(correction > 0, self.p[i] / correction, 0.0)
+                            # A row never measured takes the base rule.
+                            r = np.where(correction > 0, self.p[i] / correction, 1.0)
                     else:
                         r = self.p[i] / (1 - self.beta_3**self.measured)
                     self.last[i] = r

@@ -140,9 +140,11 @@ class GSNRMixin:
             float32_slots("gsnr_momentum") if self.beta_3 > 0 else [None] * len(var_list)
         )
         # The scale of the last GSNR update, applied until the next one;
-        # with a GSNR momentum, the momentum serves.
+        # with a GSNR momentum, the momentum serves. 1 (the base rule) where
+        # nothing has been measured yet: a row first looked up between two
+        # GSNR updates.
         self._gsnr_scales = (
-            float32_slots("gsnr_scale")
+            float32_slots("gsnr_scale", initializer="ones")
             if self.gsnr_interval > 1 and self.beta_3 == 0
             else [None] * len(var_list)
         )
@@ -192,7 +194,7 @@ class GSNRMixin:
         self._variable_updates = {}
         self._moment_accumulations = {}
 
-    def _float32_slots(self, var_list, name, shape=None, track=True, **kwargs):
+    def _float32_slots(self, var_list, name, shape=None, track=True, initializer="zeros", **kwargs):
         """One float32 variable per variable of `var_list` (GSNR statistics
         are float32 whatever the variable dtype), of its shape or `shape`
         (a shape, or a function of the variable giving one or None for no
@@ -207,7 +209,7 @@ class GSNRMixin:
                     continue
             with keras.name_scope(self.name, caller=self):
                 slot = keras.Variable(
-                    initializer="zeros",
+                    initializer=initializer,
                     shape=slot_shape,
                     dtype="float32",
                     trainable=False,
@@ -489,14 +491,22 @@ class GSNRMixin:
             # `fn` runs once per device holding the variables, inside that
             # device's update context: one compiled program per device updates
             # all of that device's copies.
+            # (Plain statements: autograph, converting this in a one-device
+            # tf.function, mangled conditional expressions in the call.)
+            dense_squares = None
+            if measure:
+                dense_squares = reduced[count : 2 * count]
+            sample_count = None
+            if samples is not None:
+                sample_count = reduced[-1]
             distribution.extended.update_non_slot(
                 distribution.extended.non_slot_devices(tf_variables),
                 device_update,
                 args=(
                     reduced[:count],
-                    reduced[count : 2 * count] if measure else None,
+                    dense_squares,
                     reduced[rows_start : rows_start + len(sparse)],
-                    reduced[-1] if samples is not None else None,
+                    sample_count,
                     learning_rate,
                     self._gsnr_update_count(),
                     distribution.num_replicas_in_sync,
@@ -751,7 +761,10 @@ class GSNRMixin:
                     if momentum_slot is not None:
                         counts = _row_broadcast(tf.gather(count_slot, rows), sums)
                         correction = functional.gsnr_momentum_correction(self.beta_3, counts)
-                        applied = tf.math.divide_no_nan(tf.gather(momentum_slot, rows), correction)
+                        # A row never measured takes the base rule (1).
+                        applied = tf.where(
+                            counts > 0.0, tf.gather(momentum_slot, rows) / correction, 1.0
+                        )
                     else:
                         applied = tf.gather(scale_slot, rows)
                 scaled = tf.IndexedSlices(applied * gradient_mean, rows, table_shape)
