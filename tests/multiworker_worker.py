@@ -8,11 +8,14 @@ seeds:
 
 - VR-Momentum, no accumulation: k = 2 workers;
 - VR-Adam with 2 accumulation micro-steps: k = 2 workers x 2 = 4, the
-  samples that one process with 4 replicas applies in one update.
+  samples that one process with 4 replicas applies in one update;
+- an embedding table's rows (`test_row_sparse.py`'s stream): VR-Adam
+  without accumulation, VR-SGD with 2 micro-steps.
 
 Every worker writes the final weights of both runs to its output file.
 """
 
+import functools
 import os
 import sys
 
@@ -23,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests import helpers
+from tests import test_row_sparse as rows
 import tf_vrgd
 
 UPDATES = 4
@@ -52,6 +56,17 @@ def two_worker_stream():
     return helpers.gradient_stream(shapes(), UPDATES, replicas=2, seed=3)
 
 
+ROW_RUNS = {
+    "rows_adam": ("VR-Adam", {}, 1),
+    "rows_sgd_accumulation": ("VR-SGD", {"gradient_accumulation_steps": 2}, 2),
+}
+
+
+def row_stream(accumulation):
+    """[micro-steps][2 replicas] of rows: 3 updates."""
+    return rows.row_stream(steps=3 * accumulation, replicas=2, rows_per_replica=5, seed=9)
+
+
 def main(output):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     assert strategy.num_replicas_in_sync == 2, strategy.num_replicas_in_sync
@@ -66,6 +81,12 @@ def main(output):
     for name, (make_optimizer, stream) in runs.items():
         _, weights, optimizer = helpers.run_mirrored(strategy, make_optimizer, stream)
         assert int(optimizer.iterations.numpy()) == UPDATES  # updates, not micro-steps
+        for i, w in enumerate(weights):
+            results[f"{name}_{i}"] = w
+    for name, (case, extra, accumulation) in ROW_RUNS.items():
+        make = functools.partial(rows.CASES[case].make, **extra)
+        _, weights, optimizer = rows.run(strategy, make, row_stream(accumulation))
+        assert int(optimizer.iterations.numpy()) == 3
         for i, w in enumerate(weights):
             results[f"{name}_{i}"] = w
     np.savez(output, **results)

@@ -14,6 +14,7 @@ import pytest
 from tests import helpers
 from tests import multiworker_worker as worker
 from tests import references as ref
+from tests import test_row_sparse as rows
 import tf_vrgd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,3 +115,15 @@ def test_two_workers_with_accumulation_match_four_replicas(strategy, worker_resu
         expected = reference.update(samples)
     for got, want in zip(_weights(worker_results[0], "adam"), expected):
         ref.assert_close(got, want, "VR-Adam, 2 workers x 2 micro-steps", rtol=5e-5)
+
+
+@pytest.mark.parametrize("name", worker.ROW_RUNS)
+def test_two_workers_apply_rows_as_the_numpy_reference(worker_results, name):
+    case, _, accumulation = worker.ROW_RUNS[name]
+    stream = worker.row_stream(accumulation)
+    initial = rows.initial_weights()
+    expected = rows.reference(
+        rows.CASES[case], initial, rows.dense_samples(stream, accumulation=accumulation)
+    )
+    for got, want in zip(_weights(worker_results[0], name), expected):
+        ref.assert_close(got, want, f"{case} rows, 2 workers x {accumulation}", rtol=1e-4)

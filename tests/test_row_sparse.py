@@ -111,12 +111,16 @@ def apply_rows(strategy, optimizer, variables, stream, dense=False):
         step(*(tf.constant(x) for x in (ids, values, counts, kernels)))
 
 
-def run(strategy, make_optimizer, stream, table_rows=ROWS, dense=False, seed=3):
+def initial_weights(table_rows=ROWS, seed=3):
     rng = np.random.default_rng(seed)
-    initial = [
+    return [
         rng.standard_normal((table_rows, WIDTH)).astype(np.float32),
         rng.standard_normal(KERNEL).astype(np.float32),
     ]
+
+
+def run(strategy, make_optimizer, stream, table_rows=ROWS, dense=False):
+    initial = initial_weights(table_rows)
     with strategy.scope():
         variables = [
             keras.Variable(initial[0], name="embeddings"),
