@@ -161,10 +161,16 @@ def test_state_is_base_plus_gsnr_momentum_plus_squares(name, accumulation):
     state = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables)
     slots = BASE_SLOTS[name] + (optimizer.beta_3 > 0)
     scalars = 8 + 4  # int64 iteration, float32 learning rate
+    # One float32 per row of each variable with rows: the rows' GSNR
+    # update counts (beta_3 > 0) and, accumulating, the rows' marks.
+    rows = sum(int(v.shape[0]) for v in model.trainable_variables if len(v.shape))
+    per_row = int(optimizer.beta_3 > 0)
     if accumulation:
         slots += 2  # Keras' gradient accumulator and the squares
         scalars += 4  # the float32 sample count
-    assert state == 4 * slots * parameters + scalars, (state, slots, parameters)
+        per_row += 1
+    expected = 4 * slots * parameters + 4 * per_row * rows + scalars
+    assert state == expected, (state, slots, parameters, per_row, rows)
 
 
 @pytest.mark.parametrize("name", VR)
