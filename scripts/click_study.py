@@ -13,7 +13,8 @@ them. The teacher's own probabilities reach the best AUC any learner can
 (the Bayes AUC, printed), so each optimizer's AUC reads against a known
 ceiling. A student DLRM of the teacher's shape, freshly initialised per
 seed, trains one pass over the training examples at batch `--batch` on
-`--replicas` replicas with:
+`--replicas` replicas (linear warm-up over `--warmup` of the updates, then
+cosine decay to 0) with:
 
 - `sgd`: Keras SGD (the base rule);
 - `vr_sgd`: VR-SGD (the package's rule: row-sparse, the layer mean over the
@@ -57,6 +58,18 @@ def parse_args(argv=None):
     parser.add_argument("--learning-rate", type=float, default=4.0)
     parser.add_argument("--zipf", type=float, default=1.1, help="the ids' Zipf exponent")
     parser.add_argument("--signal", type=float, default=2.0, help="teacher logit scale")
+    parser.add_argument(
+        "--teacher-scale",
+        type=float,
+        default=0.5,
+        help="standard deviation of the teacher's embeddings",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=0.1,
+        help="fraction of the updates of linear warm-up (then cosine decay to 0)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
     return parser.parse_args(argv)
@@ -118,7 +131,8 @@ def planted_task(args):
     teacher = dlrm_task(args).build_model()
     for variable in teacher.trainable_variables:
         if "embedding" in variable.path:
-            variable.assign(rng.standard_normal(variable.shape).astype(np.float32))
+            values = args.teacher_scale * rng.standard_normal(variable.shape)
+            variable.assign(values.astype(np.float32))
     total = args.examples + args.test_examples
     inputs = make_inputs(args, total, rng)
     logits = teacher.predict(inputs, batch_size=65_536, verbose=0)[:, 0].astype(np.float64)
@@ -167,10 +181,18 @@ def make_optimizer(name, args):
 
     import tf_vrgd
 
+    updates = int(np.ceil(args.examples / args.batch))
+    warmup = max(1, int(args.warmup * updates))
+    rate = keras.optimizers.schedules.CosineDecay(
+        0.0,
+        decay_steps=max(1, updates - warmup),
+        warmup_target=args.learning_rate,
+        warmup_steps=warmup,
+    )
     if name == "sgd":
-        return keras.optimizers.SGD(args.learning_rate)
+        return keras.optimizers.SGD(rate)
     if name == "vr_sgd":
-        return tf_vrgd.VRSGD(args.learning_rate)
+        return tf_vrgd.VRSGD(rate)
 
     class DenseRuleVRSGD(tf_vrgd.VRSGD):
         def _backend_apply_gradients(self, grads, trainable_variables):
@@ -180,7 +202,7 @@ def make_optimizer(name, args):
             with every_element_measured():
                 super()._backend_apply_gradients(grads, trainable_variables)
 
-    return DenseRuleVRSGD(args.learning_rate)
+    return DenseRuleVRSGD(rate)
 
 
 def train_one(name, seed, data, strategy, args):
@@ -211,6 +233,7 @@ def train_one(name, seed, data, strategy, args):
         "batch": args.batch,
         "replicas": args.replicas,
         "learning_rate": args.learning_rate,
+        "teacher_scale": args.teacher_scale,
         "updates": int(np.ceil(args.examples / args.batch)),
         "train_loss": float(history.history["loss"][-1]),
         "test_auc": auc(test_y[:, 0], scores),
@@ -232,7 +255,7 @@ def main(argv=None):
     if os.path.exists(path):
         with open(path) as f:
             done = [json.loads(line) for line in f if line.strip()]
-    settings = ("rows", "examples", "batch", "replicas", "learning_rate")
+    settings = ("rows", "examples", "batch", "replicas", "learning_rate", "teacher_scale")
 
     def same(row):
         return all(row[key] == getattr(args, key) for key in settings)

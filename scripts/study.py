@@ -174,11 +174,21 @@ def run_one(run, args, strategy, arrays):
         "diverged": not all(math.isfinite(r["train_loss"]) for r in records),
         "seconds": sum(r["seconds"] for r in records),
     }
-    if "gsnr_scale" in last:
-        # Model-wide (element-weighted) per-epoch means, averaged over epochs.
-        for column in ("gsnr_scale", "gsnr_at_gamma", "gsnr_at_one"):
-            row[f"mean_{column}"] = stats.fmean(r[column] for r in records)
+    row.update(scale_means(records))
     return row
+
+
+def scale_means(records):
+    """Model-wide (element-weighted) per-epoch GSNR statistics averaged over
+    the epochs that had a GSNR update (with `gsnr_interval` above the
+    updates per epoch, some epochs have none, and their statistics are
+    NaN); empty for a base optimizer."""
+    means = {}
+    for column in ("gsnr_scale", "gsnr_at_gamma", "gsnr_at_one"):
+        values = [r[column] for r in records if math.isfinite(r.get(column, math.nan))]
+        if values:
+            means[f"mean_{column}"] = stats.fmean(values)
+    return means
 
 
 # --- the parts ----------------------------------------------------------------
