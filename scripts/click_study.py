@@ -2,7 +2,7 @@
 "Embedding tables").
 
     python scripts/click_study.py --output /tmp/click        # the RESULTS run
-    python scripts/click_study.py --output /tmp/c --examples 200000 --rows 2000  # a quick one
+    python scripts/click_study.py --output /tmp/c --examples 200000 --seeds 0  # a quick one
 
 The task: Criteo-shaped inputs (13 dense features, 26 categorical ids, each
 id drawn from a Zipf law over its table's rows, the popular rows placed at
@@ -49,20 +49,20 @@ NUM_TABLES = 26
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True, help="folder for results.jsonl")
-    parser.add_argument("--rows", type=int, default=20_000, help="rows of each table")
+    parser.add_argument("--rows", type=int, default=5_000, help="rows of each table")
     parser.add_argument("--embedding-dim", type=int, default=16)
-    parser.add_argument("--examples", type=int, default=2_000_000, help="training examples")
-    parser.add_argument("--test-examples", type=int, default=200_000)
-    parser.add_argument("--batch", type=int, default=16_384, help="global batch")
+    parser.add_argument("--examples", type=int, default=1_000_000, help="training examples")
+    parser.add_argument("--test-examples", type=int, default=100_000)
+    parser.add_argument("--batch", type=int, default=8_192, help="global batch")
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=4.0)
+    parser.add_argument("--learning-rate", type=float, default=1.0)
     parser.add_argument("--zipf", type=float, default=1.1, help="the ids' Zipf exponent")
     parser.add_argument("--signal", type=float, default=2.0, help="teacher logit scale")
     parser.add_argument(
         "--teacher-scale",
         type=float,
-        default=0.5,
-        help="standard deviation of the teacher's embeddings",
+        default=0.05,
+        help="standard deviation of the teacher's embeddings (the student's init: 0.05 uniform)",
     )
     parser.add_argument(
         "--warmup",
