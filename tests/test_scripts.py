@@ -246,3 +246,28 @@ def test_study_interval_part_runs_each_n_at_the_twins_rates():
     text = study.report(results, args)
     assert "6. twins measuring the GSNR every N updates" in text
     assert "vr_momentum b4096 x2 N=4" in text
+
+
+def test_click_study_auc_counts_ordered_pairs():
+    """The click study's AUC against the fraction of (positive, negative)
+    pairs ranked right, ties counting one half."""
+    click = _script("click_study")
+    rng = np.random.default_rng(0)
+    labels = rng.random(300) < 0.3
+    scores = np.round(rng.random(300) + 0.4 * labels, 1)  # with ties
+    positives, negatives = scores[labels], scores[~labels]
+    pairs = (positives[:, None] > negatives[None, :]) + 0.5 * (
+        positives[:, None] == negatives[None, :]
+    )
+    assert click.auc(labels, scores) == pytest.approx(pairs.mean(), abs=1e-12)
+
+
+def test_click_study_ids_follow_the_zipf_law():
+    click = _script("click_study")
+    args = click.parse_args(["--output", "unused", "--rows", "50", "--zipf", "1.2"])
+    inputs = click.make_inputs(args, 200_000, np.random.default_rng(1))
+    assert inputs["sparse_features"].shape == (200_000, 26)
+    assert inputs["dense_features"].shape == (200_000, 13)
+    counts = np.sort(np.bincount(inputs["sparse_features"][:, 0], minlength=50))[::-1]
+    expected = np.arange(1, 51) ** -1.2
+    np.testing.assert_allclose(counts / counts.sum(), expected / expected.sum(), atol=3e-3)
