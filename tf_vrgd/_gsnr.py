@@ -19,10 +19,18 @@ Flow of one `apply` call (per replica, in replica context):
 2. One `merge_call` into cross-replica context, where a `tf.cond` (not in
    replica context: Keras' own accumulation puts `merge_call` inside a cond
    and fails under `MirroredStrategy`) runs, once per update:
-3. one `batch_reduce_to` SUM carries both sums for every variable, and
-4. per variable, inside `distribution.extended.update`, an XLA-compiled
-   function computes ``gbar, s`` -> GSNR -> (GSNR momentum) -> ``ghat`` and
-   hands ``ghat`` to the optimizer's `update_step`, the base rule.
+3. one `batch_reduce_to` SUM carries both sums for every variable (the
+   rows of row-sparse gradients gathered, not summed into a table), and
+4. once per device, inside `extended.update_non_slot`, one XLA program for
+   the large dense variables, one flat pass for the small ones, and the
+   row-sparse update for embedding tables compute ``gbar, s`` -> GSNR ->
+   (GSNR momentum) -> ``ghat`` and hand ``ghat`` to the optimizer's
+   `update_step`, the base rule.
+
+Gradients that arrive as `tf.IndexedSlices` (embedding lookups) stay
+row-sparse throughout: their duplicate rows are summed per replica, their
+squares, sums, collective and slots cost the rows a batch touched
+(docs/algorithms.md §6).
 """
 
 import functools
