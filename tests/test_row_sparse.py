@@ -131,6 +131,13 @@ def run(strategy, make_optimizer, stream, table_rows=ROWS, dense=False):
     return initial, [v.numpy() for v in variables], optimizer
 
 
+def assert_matches(got, expected, label):
+    """Each variable (the table, then the kernel) against the reference,
+    recorded under `label` with the variable's name put in."""
+    for g, e, what in zip(got, expected, ("table", "kernel")):
+        ref.assert_close(g, e, label.format(what=what), rtol=1e-4)
+
+
 def reference(case, initial, samples, **extra):
     reference = ref.VRReference(initial, case.rule, 0.1, case.beta_3, row_sparse={0}, **extra)
     for update in samples:
@@ -144,8 +151,7 @@ def test_rows_match_the_reference_where_most_rows_are_not_touched(strategy, name
     stream = row_stream(steps=5, replicas=4, rows_per_replica=5, seed=1)
     initial, got, _ = run(strategy, case.make, stream)
     expected = reference(case, initial, dense_samples(stream))
-    for g, e, what in zip(got, expected, ("table", "kernel")):
-        ref.assert_close(g, e, f"{name} row-sparse {what} (4 replicas)", rtol=1e-4)
+    assert_matches(got, expected, f"{name} row-sparse {{what}} (4 replicas)")
     # Rows no update touched are as they were, but under decay.
     untouched = sorted(set(range(ROWS)) - {int(i) for s in stream for r in s for i in r[0]})
     assert untouched
@@ -187,8 +193,7 @@ def test_rows_with_accumulation_match_the_reference(strategy, name):
         strategy, lambda: case.make(gradient_accumulation_steps=2), stream
     )
     expected = reference(case, initial, dense_samples(stream, accumulation=2))
-    for g, e, what in zip(got, expected, ("table", "kernel")):
-        ref.assert_close(g, e, f"{name} row-sparse {what} (4 replicas x 2 micro-steps)", rtol=1e-4)
+    assert_matches(got, expected, f"{name} row-sparse {{what}} (4 replicas x 2 micro-steps)")
     assert int(optimizer.iterations.numpy()) == 3
     # The accumulators are empty again after the last update.
     vr = optimizer
@@ -202,8 +207,7 @@ def test_rows_on_two_replicas_match_the_reference(strategy_2, name):
     stream = row_stream(steps=5, replicas=2, rows_per_replica=5, seed=6)
     initial, got, _ = run(strategy_2, case.make, stream)
     expected = reference(case, initial, dense_samples(stream))
-    for g, e, what in zip(got, expected, ("table", "kernel")):
-        ref.assert_close(g, e, f"{name} row-sparse {what} (2 replicas)", rtol=1e-4)
+    assert_matches(got, expected, f"{name} row-sparse {{what}} (2 replicas)")
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -219,8 +223,7 @@ def test_empty_batches_of_rows(strategy, accumulation):
     extra = {"gradient_accumulation_steps": accumulation} if accumulation > 1 else {}
     initial, got, _ = run(strategy, lambda: case.make(**extra), stream)
     expected = reference(case, initial, dense_samples(stream, accumulation=accumulation))
-    for g, e, what in zip(got, expected, ("table", "kernel")):
-        ref.assert_close(g, e, f"VR-Adam row-sparse {what}, empty batches", rtol=1e-4)
+    assert_matches(got, expected, "VR-Adam row-sparse {what}, empty batches")
 
 
 @pytest.mark.parametrize("name", ["VR-SGD", "VR-Adam"])
@@ -229,8 +232,7 @@ def test_rows_with_a_gsnr_interval_match_the_reference(strategy, name):
     stream = row_stream(steps=6, replicas=4, rows_per_replica=5, seed=8)
     initial, got, _ = run(strategy, lambda: case.make(gsnr_interval=2), stream)
     expected = reference(case, initial, dense_samples(stream), gsnr_interval=2)
-    for g, e, what in zip(got, expected, ("table", "kernel")):
-        ref.assert_close(g, e, f"{name} row-sparse {what}, gsnr_interval 2", rtol=1e-4)
+    assert_matches(got, expected, f"{name} row-sparse {{what}}, gsnr_interval 2")
 
 
 def test_an_update_makes_no_tensor_of_the_table_size(strategy):
