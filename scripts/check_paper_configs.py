@@ -66,10 +66,8 @@ def main(argv=None):
         overrides = dict(TINY[kind])
         if kind == "resnet" and cfg["task"]["model"]["resnet"]["model_id"] != 50:
             overrides = {"task.model.resnet.model_id": 20}  # the smallest CIFAR ResNet
-        block = config.optimization_block(cfg)
-        fields = block["optimizer"][block["optimizer"]["type"]] or {}
         # The smallest batch that splits into the file's micro-steps and replicas.
-        steps = int(fields.get("gradient_accumulation_steps", 1) or 1)
+        steps = config.accumulation_steps(cfg)
         overrides["task.train_data.global_batch_size"] = 2 * steps * args.replicas
         cfg = train.apply_overrides(cfg, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
         start = time.perf_counter()

@@ -551,3 +551,24 @@ def test_missing_config_file_says_so(tmp_path):
     for path in (str(tmp_path / "nothing.yaml"), tmp_path / "nothing.yaml", "configs/nothing/x"):
         with pytest.raises(ValueError, match="does not exist"):
             config.optimizer_from_config(path)
+
+
+def test_accumulation_steps_reads_larc_inner_optimizer():
+    # A LARC block's micro-steps are its inner optimizer's: LARC rescales the
+    # inner optimizer's accumulated gradient.
+    inner = {"type": "vr_lamb", "vr_lamb": {"gradient_accumulation_steps": 4}}
+    larc = {"type": "larc", "larc": {"trust_coefficient": 0.01, "optimizer": inner}}
+    assert config.accumulation_steps(_block(optimizer=inner)) == 4
+    assert config.accumulation_steps(_block(optimizer=larc)) == 4
+    assert config.accumulation_steps({"trainer": {"optimizer_config": _block(larc)}}) == 4
+    assert config.accumulation_steps(_block(optimizer={"type": "lamb"})) == 1
+    assert isinstance(config.optimizer_from_config(_block(larc)).inner_optimizer, tf_vrgd.VRLAMB)
+    assert (
+        config.optimizer_from_config(_block(larc)).inner_optimizer.gradient_accumulation_steps == 4
+    )
+    with pytest.raises(ValueError, match=r"optimizer\.larc needs an inner `optimizer` block"):
+        config.accumulation_steps(_block(optimizer={"type": "larc", "larc": {}}))
+    with pytest.raises(ValueError, match=r"Unknown optimizer\.larc\.optimizer type 'nadam'"):
+        config.accumulation_steps(
+            _block(optimizer={"type": "larc", "larc": {"optimizer": {"type": "nadam"}}})
+        )

@@ -283,6 +283,24 @@ def test_overrides_set_nested_fields_as_yaml():
         train.apply_overrides(cfg, ["task.model.type"])
 
 
+def test_a_larc_block_counts_its_inner_optimizers_micro_steps():
+    from tf_vrgd.experiments import task_runs
+
+    inner = {"type": "vr_lars", "vr_lars": {"gradient_accumulation_steps": 4}}
+    larc = {"type": "larc", "larc": {"trust_coefficient": 0.001, "optimizer": inner}}
+    cfg = _cfg(
+        "imagenet_resnet50_vr_lars_32k.yaml",
+        {"trainer.optimizer_config.optimizer": larc, "task.train_data.global_batch_size": 64},
+    )
+    experiment = task_runs.TaskExperiment(cfg, replicas=2)
+    # One Keras batch is a micro-step: 64 examples per update in 4 of 16.
+    assert (experiment.accumulation, experiment.step_batch) == (4, 16)
+    with pytest.raises(ValueError, match="does not split into 4 accumulation steps over 2"):
+        task_runs.TaskExperiment(
+            train.apply_overrides(cfg, ["task.train_data.global_batch_size=36"]), replicas=2
+        )
+
+
 def test_every_paper_config_builds_its_task():
     names = sorted(os.listdir(PAPER))
     kinds = set()

@@ -324,3 +324,21 @@ def test_compare_checks_every_run_before_training(tmp_path):
     train.check_runs(experiment, compare=False)  # LAMB alone trains on one replica
     with pytest.raises(SystemExit, match=r"'vr_lamb' cannot train.*k >= 2"):
         train.check_runs(experiment, compare=True)
+
+
+def test_a_larc_block_counts_its_inner_optimizers_micro_steps():
+    from tf_vrgd import config
+    from tf_vrgd.experiments import train
+
+    path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
+    cfg = config.load(path)
+    block = cfg["trainer"]["optimizer_config"]
+    inner = {
+        "type": "lamb",
+        "lamb": {**block["optimizer"]["lamb"], "gradient_accumulation_steps": 2},
+    }
+    block["optimizer"] = {"type": "larc", "larc": {"optimizer": inner}}
+    experiment = train.Experiment(cfg, batch_size=2048, epochs=2)
+    # 2 epochs of 29 batches of 2048 are 29 updates of 2 micro-steps.
+    assert experiment.steps_per_epoch == 29
+    assert experiment.block["learning_rate"]["cosine"]["decay_steps"] == 29

@@ -414,6 +414,30 @@ def optimization_block(cfg: dict | str | os.PathLike) -> dict:
     return cfg
 
 
+def accumulation_steps(cfg: dict | str | os.PathLike) -> int:
+    """The micro-steps per update A that the `optimizer` block of `cfg` (an
+    optimization block or a whole experiment) asks for: its
+    `gradient_accumulation_steps`, or for a `larc` block its inner
+    optimizer's (LARC applies on the inner optimizer's accumulated
+    gradient). 1 when unset.
+
+    Checks the one-of blocks it walks through; the fields themselves are
+    checked when the optimizer is built (`optimizer_from_config`).
+    """
+    block = optimization_block(cfg)
+    if "optimizer" not in block:
+        raise ValueError("The optimization block has no `optimizer`.")
+    what = "optimizer"
+    kind, fields = _one_of(what, block["optimizer"], {**OPTIMIZER_TYPES, "larc": None})
+    while kind == "larc":
+        what = f"{what}.larc.optimizer"
+        inner = fields.get("optimizer")
+        if inner is None:
+            raise ValueError(f"{what.rsplit('.', 1)[0]} needs an inner `optimizer` block.")
+        kind, fields = _one_of(what, inner, {**OPTIMIZER_TYPES, "larc": None})
+    return int(fields.get("gradient_accumulation_steps") or 1)
+
+
 def _number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
     # Infinite bounds are open: no field takes an infinite value.
     return lambda name, value: _validation.check_number(

@@ -49,8 +49,7 @@ class TaskExperiment:
         self.cfg = fields.check(cfg)
         self.task = tasks.from_config(cfg)
         block = config.optimization_block(cfg)
-        kind = get(block, "optimizer.type")
-        self.accumulation = int(get(block, f"optimizer.{kind}.gradient_accumulation_steps", 1) or 1)
+        self.accumulation = config.accumulation_steps(block)
         # Model Garden's global_batch_size: the examples of one update.
         self.global_batch = int(get(cfg, "task.train_data.global_batch_size", 0) or 0)
         self.replicas = replicas or int(get(cfg, "runtime.num_gpus", 1) or 1)

@@ -234,8 +234,7 @@ class Experiment:
         self.label_smoothing = float(_get(cfg, "task.losses.label_smoothing", 0.0) or 0.0)
         block = config.optimization_block(cfg)
         # Schedules count updates; with accumulation an update takes A batches.
-        kind = _get(block, "optimizer.type")
-        accumulation = int(_get(block, f"optimizer.{kind}.gradient_accumulation_steps", 1) or 1)
+        accumulation = config.accumulation_steps(block)
         config_batch = int(_get(cfg, "task.train_data.global_batch_size", 256))
         config_steps = int(
             _get(cfg, "trainer.train_steps", 10 * steps_per_epoch(config_batch) // accumulation)
