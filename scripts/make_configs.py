@@ -9,8 +9,8 @@ and how the choices the paper leaves open were made. They are for GPU
 clusters: `tf_vrgd.config.optimizer_from_config` builds their optimizers.
 
 configs/fashion_mnist/: the CPU-scale study that runs here with
-`vrgd-train`. `tests/test_configs.py` checks that the files are what this
-script writes.
+`vrgd-train`. `tests/test_config.py::test_committed_configs_are_what_the_generator_writes`
+checks that the files are what this script writes.
 """
 
 import math

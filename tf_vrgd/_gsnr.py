@@ -27,6 +27,11 @@ Flow of one `apply` call (per replica, in replica context):
    (GSNR momentum) -> ``ghat`` and hand ``ghat`` to the optimizer's
    `update_step`, the base rule.
 
+With `gsnr_interval = N > 1` only every N-th update (the first, N + 1,
+...) squares, reduces the squares and measures the GSNR; the others
+reduce the gradient sums alone and apply the last scale (its
+`gsnr_scale` slot, or the GSNR momentum).
+
 Gradients that arrive as `tf.IndexedSlices` (embedding lookups) stay
 row-sparse throughout: their duplicate rows are summed per replica, their
 squares, sums, collective and slots cost the rows a batch touched

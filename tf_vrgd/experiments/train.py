@@ -1,6 +1,7 @@
-"""`vrgd-train`: trains a Model Garden-format experiment on Fashion-MNIST,
-optionally beside its VR twin (`--compare`), from the same initial weights
-and data order, and resumes after interruption.
+"""`vrgd-train`: trains a Model Garden-format experiment (Fashion-MNIST, or
+the paper's BERT, ResNet and DLRM tasks), optionally beside its VR twin
+(`--compare`), from the same initial weights and data order, and resumes
+after interruption.
 
     vrgd-train --config configs/fashion_mnist/lamb_b8192.yaml --compare --output runs/lamb
 
