@@ -110,12 +110,85 @@ def test_gradient_moments_undo_keras_scaling(replicas, steps):
 
 
 def _gsnr_scale(gradient_mean, second_moment, gamma, epsilon):
-    """The factor r of docs/algorithms.md §2, composed as the optimizers
-    compose it."""
-    return functional.normalized_clipped_gsnr(
-        functional.raw_gsnr(gradient_mean, second_moment, epsilon),
+    """The factor r of docs/algorithms.md §2, as the optimizers compute it
+    (without GSNR momentum)."""
+    return functional.gsnr_scale(gradient_mean, second_moment, gamma, epsilon).applied
+
+
+def _moments(samples):
+    samples = np.asarray(samples, np.float64)
+    return (
+        tf.constant(samples.mean(0), tf.float32),
+        tf.constant(np.square(samples).mean(0), tf.float32),
+    )
+
+
+def test_gsnr_scale_of_packed_variables_with_momentum_matches_numpy():
+    # Two variables packed flat, as the optimizers update their small ones;
+    # a few elements without any sample keep their scale and momentum.
+    beta_3, gamma, t = 0.9, 0.2, 3
+    samples = [RNG.standard_normal((8, 5, 7)) + 0.7, RNG.standard_normal((8, 4)) - 0.3]
+    samples[0][:, 1, 2:5] = 0.0
+    samples[1][:, 3] = 0.0
+    previous_scale = [RNG.uniform(0.2, 1.0, x.shape[1:]) for x in samples]
+    previous_momentum = [RNG.uniform(0.0, 0.5, x.shape[1:]) for x in samples]
+    moments = [_moments(x) for x in samples]
+    flat = lambda tensors: tf.concat([tf.reshape(tf.cast(x, tf.float32), [-1]) for x in tensors], 0)
+    sizes = [35, 4]
+    got = functional.gsnr_scale(
+        flat([m for m, _ in moments]),
+        flat([s for _, s in moments]),
         gamma,
-        functional.measured_elements(second_moment),
+        1e-6,
+        beta_3=beta_3,
+        correction=functional.gsnr_momentum_correction(beta_3, t),
+        previous_scale=flat(previous_scale),
+        previous_momentum=flat(previous_momentum),
+        segments=(tf.constant(np.repeat([0, 1], sizes)), sizes),
+        statistics=True,
+    )
+    expected = {"scale": [], "momentum": [], "applied": []}
+    for x, scale, momentum in zip(samples, previous_scale, previous_momentum):
+        r, _ = ref.gsnr_scale(x, gamma)
+        has = ref.measured(x)
+        r = np.where(has, r, scale)
+        p = np.where(has, beta_3 * momentum + (1 - beta_3) * r, momentum)
+        for name, value in (("scale", r), ("momentum", p), ("applied", p / (1 - beta_3**t))):
+            expected[name].append(value.reshape(-1))
+    for name, values in expected.items():
+        ref.assert_close(getattr(got, name), np.concatenate(values), f"gsnr_scale {name}")
+    # Statistics: the layer's mean raw GSNR over its measured elements.
+    raw0 = ref.raw_gsnr(samples[0])[0][ref.measured(samples[0])]
+    ref.assert_close(got.statistics[0, 0], raw0.mean(), "gsnr_scale statistics", rtol=1e-4)
+
+
+def test_gsnr_scale_of_table_rows_counts_each_rows_updates():
+    # Rows of a table: each row's bias correction counts the GSNR updates in
+    # which it had a sample (docs/algorithms.md §3); row 2 has none now.
+    beta_3, gamma = 0.9, 0.1
+    samples = RNG.standard_normal((4, 5, 3)) + 0.5
+    samples[:, 2] = 0.0
+    previous_counts = np.array([0.0, 1.0, 2.0, 0.0, 5.0])
+    previous_momentum = RNG.uniform(0.0, 0.5, (5, 3)) * (previous_counts > 0)[:, None]
+    got = functional.gsnr_scale(
+        *_moments(samples),
+        gamma,
+        1e-6,
+        beta_3=beta_3,
+        previous_momentum=tf.constant(previous_momentum, tf.float32),
+        previous_row_updates=tf.constant(previous_counts, tf.float32),
+    )
+    r, _ = ref.gsnr_scale(samples, gamma)
+    has = ref.measured(samples)
+    counts = previous_counts + has.any(axis=1)
+    p = np.where(has, beta_3 * previous_momentum + (1 - beta_3) * r, previous_momentum)
+    ref.assert_close(got.row_updates, counts, "gsnr_scale row counts")
+    ref.assert_close(got.momentum, p, "gsnr_scale row momentum")
+    sampled = counts > 0
+    ref.assert_close(
+        tf.boolean_mask(got.applied, sampled),
+        (p / (1 - beta_3 ** counts[:, None]))[sampled],
+        "gsnr_scale row factor",
     )
 
 

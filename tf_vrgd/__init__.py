@@ -6,14 +6,15 @@ LARS, LAMB (Model Garden form) and the LARC wrapper, and the VR family of
 """
 
 from tf_vrgd import functional, schedules, statistics
-from tf_vrgd._accumulation import SGD, Adam
 from tf_vrgd._gsnr import find_vr_optimizer
+from tf_vrgd.adam import Adam
 from tf_vrgd.adamw import AdamWeightDecay
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
 from tf_vrgd.monitor import GSNRMonitor
 from tf_vrgd.replica_noise import independent_replica_noise
+from tf_vrgd.sgd import SGD
 from tf_vrgd.vr_adam import VRAdam
 from tf_vrgd.vr_lamb import VRLAMB
 from tf_vrgd.vr_lars import VRLARS

@@ -27,6 +27,8 @@ use this path.
 import keras
 import tensorflow as tf
 
+from tf_vrgd._keras_adapters import apply_moving_average, decay, is_update_step, tf_variable
+
 
 class ReplicaAccumulationMixin:
     """Mixed into a Keras optimizer (before it): `gradient_accumulation_steps`
@@ -126,57 +128,3 @@ class ReplicaAccumulationMixin:
             )
 
         tf.cond(self._is_update_step(), update, lambda: None)
-
-
-def is_update_step(optimizer):
-    """Whether this `apply` ends an accumulation: `_iterations` counts
-    micro-steps and is incremented after `apply`, so replica and
-    cross-replica code read the same value."""
-    return tf.equal((optimizer._iterations + 1) % optimizer.gradient_accumulation_steps, 0)
-
-
-def tf_variable(variable):
-    """The `tf.Variable` behind a Keras variable (a plain one is itself)."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def decay(variable, weight_decay, learning_rate):
-    """Keras' decoupled weight decay: ``w -= w * weight_decay * lr``."""
-    variable.assign_sub(
-        variable * tf.cast(weight_decay, variable.dtype) * tf.cast(learning_rate, variable.dtype)
-    )
-
-
-def apply_moving_average(optimizer, replica_context):
-    """Keras' EMA step after an `apply` (once per call, micro-steps
-    included, as Keras does), with the periodic overwrite of the model's
-    variables made in cross-replica context, where its `tf.cond` may hold
-    per-device updates under MirroredStrategy."""
-    if not optimizer.use_ema:
-        return
-    optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
-    if optimizer.ema_overwrite_frequency:
-        replica_context.merge_call(_overwrite_with_moving_average, args=(optimizer,))
-
-
-def _overwrite_with_moving_average(distribution, optimizer):
-    del distribution  # Keras' method uses the optimizer's own.
-    tf.cond(
-        tf.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0),
-        lambda: optimizer._overwrite_model_variables_with_average_value(
-            optimizer._trainable_variables
-        ),
-        lambda: None,
-    )
-
-
-@keras.saving.register_keras_serializable(package="tf_vrgd")
-class SGD(ReplicaAccumulationMixin, keras.optimizers.SGD):
-    """`keras.optimizers.SGD` whose `gradient_accumulation_steps` also runs
-    under MirroredStrategy (the `sgd` type of `tf_vrgd.config`)."""
-
-
-@keras.saving.register_keras_serializable(package="tf_vrgd")
-class Adam(ReplicaAccumulationMixin, keras.optimizers.Adam):
-    """`keras.optimizers.Adam` whose `gradient_accumulation_steps` also runs
-    under MirroredStrategy (the `adam` type of `tf_vrgd.config`)."""

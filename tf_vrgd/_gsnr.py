@@ -39,15 +39,16 @@ squares, sums, collective and slots cost the rows a batch touched
 """
 
 import functools
+import inspect
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import _validation, functional, statistics
-from tf_vrgd._accumulation import apply_moving_average, is_update_step
-from tf_vrgd._accumulation import decay as _decay
-from tf_vrgd._accumulation import tf_variable as _tf_variable
+from tf_vrgd._keras_adapters import apply_moving_average, is_update_step
+from tf_vrgd._keras_adapters import decay as _decay
+from tf_vrgd._keras_adapters import tf_variable as _tf_variable
 
 # Variables of at most this many elements (64 KiB in float32) are updated
 # together by `GSNRMixin._packed_update` instead of one by one in the XLA
@@ -90,24 +91,43 @@ def fill_vr_arguments(docstring, beta_3):
 
 
 class GSNRMixin:
-    """Turns a Keras optimizer into its VR twin. Host classes call
-    `_init_gsnr` from `__init__` and list this mixin before the base
-    optimizer class."""
+    """Turns a Keras optimizer into its VR twin: list it before the base
+    optimizer class. It takes the arguments every VR optimizer shares
+    (keyword only, documented once in `_VR_ARGUMENTS` and filled into the
+    subclass' docstring at its ``{vr_args}`` line), saves them with
+    `get_config`, and passes the rest on to the base class. A subclass sets
+    `default_beta_3` and defines `__init__` only to check or document the
+    base class' own arguments."""
+
+    #: The GSNR momentum when `beta_3` is not given: 0 for VR-SGD/Momentum
+    #: and VR-LARS (Algorithm 1), 0.9 for VR-Adam and VR-LAMB (Algorithms
+    #: 3 and 5).
+    default_beta_3 = 0.0
 
     # Whether the base rule's `update_step` takes a `tf.IndexedSlices`
     # gradient (Keras' SGD and Adam do: SGD without momentum then writes
     # the rows alone). LARS and LAMB need the whole gradient's norm.
     _row_sparse_base_rule = True
 
-    def _init_gsnr(
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__doc__ and "{vr_args}" in cls.__doc__:
+            cls.__doc__ = fill_vr_arguments(cls.__doc__, cls.default_beta_3)
+
+    def __init__(
         self,
-        gamma,
-        beta_3,
-        gsnr_epsilon,
-        jit_update,
-        track_gsnr_statistics=False,
-        gsnr_interval=1,
-    ):
+        *args,
+        gamma: float = 0.1,
+        beta_3: float | None = None,
+        gsnr_epsilon: float = 1e-6,
+        jit_update: bool = True,
+        track_gsnr_statistics: bool = False,
+        gsnr_interval: int = 1,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if beta_3 is None:
+            beta_3 = self.default_beta_3
         self.gsnr_interval = _validation.check_integer("gsnr_interval", gsnr_interval, low=1)
         self.gamma = _validation.check_number("gamma", gamma, low=0.0, high=1.0, low_open=True)
         self.beta_3 = _validation.check_number("beta_3", beta_3, low=0.0, high=1.0, high_open=True)
@@ -118,6 +138,24 @@ class GSNRMixin:
         self._track_gsnr_statistics = _validation.check_bool(
             "track_gsnr_statistics", track_gsnr_statistics
         )
+
+    @classmethod
+    def vr_arguments(cls) -> dict:
+        """The shared VR arguments with this class' defaults."""
+        parameters = inspect.signature(GSNRMixin.__init__).parameters
+        defaults = {name: p.default for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
+        return {**defaults, "beta_3": cls.default_beta_3}
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "gamma": self.gamma,
+            "beta_3": self.beta_3,
+            "gsnr_epsilon": self.gsnr_epsilon,
+            "jit_update": self.jit_update,
+            "track_gsnr_statistics": self.track_gsnr_statistics,
+            "gsnr_interval": self.gsnr_interval,
+        }
 
     @property
     def track_gsnr_statistics(self):
@@ -703,27 +741,23 @@ class GSNRMixin:
             gradient_mean, second_moment = _moments(
                 flatten(sums), flatten(squares), samples, replicas
             )
-            gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
-            measured = functional.measured_elements(second_moment)
-            scale, layer_means, counts = functional.segment_normalized_clipped_gsnr(
-                gsnr, segments, sizes, hyper["gamma"], measured
+            new = functional.gsnr_scale(
+                gradient_mean,
+                second_moment,
+                **hyper,
+                previous_scale=_optional(flatten, scale_slots),
+                previous_momentum=_optional(flatten, momentum_slots),
+                segments=(segments, sizes),
+                statistics=statistics_slots[0] is not None,
             )
-            applied = scale
             if scale_slots[0] is not None:
-                scale = tf.where(measured, scale, flatten(scale_slots))
-                _assign_split(scale_slots, scale, sizes)
+                _assign_split(scale_slots, new.scale, sizes)
             if momentum_slots[0] is not None:
-                momentum, applied = functional.corrected_gsnr_momentum(
-                    flatten(momentum_slots), scale, hyper["beta_3"], hyper["correction"], measured
-                )
-                _assign_split(momentum_slots, momentum, sizes)
+                _assign_split(momentum_slots, new.momentum, sizes)
             if statistics_slots[0] is not None:
-                rows = functional.segment_gsnr_statistics(
-                    layer_means, scale, applied, segments, counts, self.gamma, measured
-                )
-                for slot, row in zip(statistics_slots, tf.unstack(rows)):
+                for slot, row in zip(statistics_slots, tf.unstack(new.statistics)):
                     slot.assign_add(tf.concat([row, [1.0]], 0))
-            scaled_gradients = tf.split(applied * gradient_mean, sizes)
+            scaled_gradients = tf.split(new.applied * gradient_mean, sizes)
             for variable, decay, gradient in zip(variables, decays, scaled_gradients):
                 self._apply_base_rule(
                     variable, decay, tf.reshape(gradient, variable.shape), learning_rate
@@ -790,30 +824,28 @@ class GSNRMixin:
         update; writes its slots at those rows and returns the applied
         factor."""
         scale_slot, momentum_slot, count_slot, statistics_slot = slots
-        gsnr = functional.raw_gsnr(gradient_mean, second_moment, self.gsnr_epsilon)
-        measured = functional.measured_elements(second_moment)
-        scale = functional.normalized_clipped_gsnr(gsnr, self.gamma, measured)
-        applied = scale
+        at_rows = functools.partial(_optional, lambda slot: tf.gather(slot, rows))
+        # Each row's bias correction counts the GSNR updates in which it
+        # had a sample (docs/algorithms.md §3).
+        new = functional.gsnr_scale(
+            gradient_mean,
+            second_moment,
+            self.gamma,
+            self.gsnr_epsilon,
+            beta_3=self.beta_3,
+            previous_scale=at_rows(scale_slot),
+            previous_momentum=at_rows(momentum_slot),
+            previous_row_updates=at_rows(count_slot if momentum_slot is not None else None),
+            statistics=statistics_slot is not None,
+        )
         if scale_slot is not None:
-            scale = tf.where(measured, scale, tf.gather(scale_slot, rows))
-            scale_slot.scatter_update(tf.IndexedSlices(scale, rows))
+            scale_slot.scatter_update(tf.IndexedSlices(new.scale, rows))
         if momentum_slot is not None:
-            # Each row's bias correction counts the GSNR updates in which it
-            # had a sample (docs/algorithms.md §3).
-            sampled = tf.reduce_any(measured, axis=list(range(1, measured.shape.rank)))
-            counts = tf.gather(count_slot, rows) + tf.cast(sampled, tf.float32)
-            count_slot.scatter_update(tf.IndexedSlices(counts, rows))
-            correction = functional.gsnr_momentum_correction(
-                self.beta_3, _row_broadcast(counts, scale)
-            )
-            momentum, applied = functional.corrected_gsnr_momentum(
-                tf.gather(momentum_slot, rows), scale, self.beta_3, correction, measured
-            )
-            momentum_slot.scatter_update(tf.IndexedSlices(momentum, rows))
+            count_slot.scatter_update(tf.IndexedSlices(new.row_updates, rows))
+            momentum_slot.scatter_update(tf.IndexedSlices(new.momentum, rows))
         if statistics_slot is not None:
-            row = functional.gsnr_statistics(gsnr, scale, applied, self.gamma, measured)
-            statistics_slot.assign_add(tf.concat([row, [1.0]], 0))
-        return applied
+            statistics_slot.assign_add(tf.concat([new.statistics, [1.0]], 0))
+        return new.applied
 
     def _variable_update(self, index):
         """The VR update of one variable, as a Python function of the reduced
@@ -829,25 +861,24 @@ class GSNRMixin:
             gradient_mean, second_moment = _moments(
                 sum_of_gradients, sum_of_squares, samples, replicas
             )
-            gsnr = functional.raw_gsnr(gradient_mean, second_moment, hyper["epsilon"])
-            measured = functional.measured_elements(second_moment)
-            scale = functional.normalized_clipped_gsnr(gsnr, hyper["gamma"], measured)
-            applied = scale
+            new = functional.gsnr_scale(
+                gradient_mean,
+                second_moment,
+                **hyper,
+                previous_scale=scale_slot,
+                previous_momentum=gsnr_momentum_slot,
+                statistics=statistics_slot is not None,
+            )
             if scale_slot is not None:
-                scale = tf.where(measured, scale, scale_slot)
-                scale_slot.assign(scale)
+                scale_slot.assign(new.scale)
             if gsnr_momentum_slot is not None:
-                momentum, applied = functional.corrected_gsnr_momentum(
-                    gsnr_momentum_slot, scale, hyper["beta_3"], hyper["correction"], measured
-                )
-                gsnr_momentum_slot.assign(momentum)
+                gsnr_momentum_slot.assign(new.momentum)
             if statistics_slot is not None:
                 # Running sums of tf_vrgd.statistics' columns and the update
                 # count. Off by default: XLA on CPU runs these reductions
                 # slowly (`scripts/bench_step.py --statistics`).
-                row = functional.gsnr_statistics(gsnr, scale, applied, self.gamma, measured)
-                statistics_slot.assign_add(tf.concat([row, [1.0]], 0))
-            self._apply_base_rule(variable, decays, applied * gradient_mean, learning_rate)
+                statistics_slot.assign_add(tf.concat([new.statistics, [1.0]], 0))
+            self._apply_base_rule(variable, decays, new.applied * gradient_mean, learning_rate)
 
         return vr_update
 
@@ -922,16 +953,6 @@ class GSNRMixin:
                 "GSNR statistics: construct it with track_gsnr_statistics=True."
             )
 
-    def _gsnr_config(self):
-        return {
-            "gamma": self.gamma,
-            "beta_3": self.beta_3,
-            "gsnr_epsilon": self.gsnr_epsilon,
-            "jit_update": self.jit_update,
-            "track_gsnr_statistics": self.track_gsnr_statistics,
-            "gsnr_interval": self.gsnr_interval,
-        }
-
 
 def find_vr_optimizer(optimizer: keras.optimizers.Optimizer | None) -> GSNRMixin | None:
     """The VR optimizer inside wrappers (LossScaleOptimizer, LARC), or None."""
@@ -973,6 +994,14 @@ def _replica_copy(slot):
     variable = _tf_variable(slot)
     local = getattr(variable, "_get_on_device_or_primary", None)
     return local() if local is not None else variable
+
+
+def _optional(function, value):
+    """`function(value)`, or None for a missing slot (None, or a list of
+    them)."""
+    if value is None or (isinstance(value, list) and value[0] is None):
+        return None
+    return function(value)
 
 
 def _optional_tf_variable(slot):

@@ -38,11 +38,14 @@ import re
 import keras
 import yaml
 
-from tf_vrgd import _accumulation, _validation, schedules
+from tf_vrgd import _validation, schedules
+from tf_vrgd._gsnr import GSNRMixin
+from tf_vrgd.adam import Adam
 from tf_vrgd.adamw import AdamWeightDecay
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
+from tf_vrgd.sgd import SGD
 from tf_vrgd.vr_adam import VRAdam
 from tf_vrgd.vr_lamb import VRLAMB
 from tf_vrgd.vr_lars import VRLARS
@@ -55,9 +58,10 @@ _KERAS_FIELDS = {"gradient_accumulation_steps": None}
 
 
 @dataclasses.dataclass(frozen=True)
-class _Type:
-    """One optimizer type: its fields with defaults, and a builder taking
-    (learning_rate, fields) and returning a Keras optimizer."""
+class OptimizerType:
+    """One optimizer type of `OPTIMIZER_TYPES`: its fields with their
+    defaults, and its builder, taking (learning rate, fields, Keras
+    arguments from the `ema` block) and returning a Keras optimizer."""
 
     fields: dict
     build: callable
@@ -74,7 +78,7 @@ def _without(fields, *names):
     return {k: v for k, v in fields.items() if k not in names}
 
 
-def _check_sgd_decay(fields):
+def _sgd_without_decay(fields):
     if fields.get("decay"):
         raise ValueError(
             "`decay` (Keras 2's time-based learning-rate decay) has no Keras 3 "
@@ -165,14 +169,12 @@ _ADAMW = {
 
 
 def _build_sgd(lr, f, extra):
-    f = _check_sgd_decay(f)
-    return _accumulation.SGD(
-        lr, momentum=f["momentum"], nesterov=f["nesterov"], **_keras_kwargs(f, extra)
-    )
+    f = _sgd_without_decay(f)
+    return SGD(lr, momentum=f["momentum"], nesterov=f["nesterov"], **_keras_kwargs(f, extra))
 
 
 def _build_adam(lr, f, extra):
-    return _accumulation.Adam(
+    return Adam(
         lr,
         beta_1=f["beta_1"],
         beta_2=f["beta_2"],
@@ -215,24 +217,27 @@ def _build_with(cls, translate=None):
 
 
 def _vr_type(cls, base_fields, translate=None):
-    """A VR type: its constructor's arguments, the base type's fields and
-    the Keras arguments that matter for it."""
+    """A VR type: the base type's fields, the arguments of the class'
+    constructor (the nearest `__init__` below `GSNRMixin`'s) and the VR
+    ones, and the Keras arguments that matter for it."""
+    own = next(c for c in cls.__mro__ if "__init__" in vars(c) and c is not GSNRMixin)
     fields = {
         **base_fields,
-        **_constructor_fields(cls),
+        **_constructor_fields(own),
+        **cls.vr_arguments(),
         "name": None,
         "weight_decay": None,
     }
-    return _Type(fields, _build_with(cls, translate))
+    return OptimizerType(fields, _build_with(cls, translate))
 
 
 OPTIMIZER_TYPES = {
-    "sgd": _Type(_SGD, _build_sgd),
-    "adam": _Type(_ADAM, _build_adam),
-    "adamw": _Type(_ADAMW, _build_adamw),
-    "lamb": _Type(_LAMB, _build_with(LAMB)),
-    "lars": _Type(_LARS, _build_with(LARS, _lars_to_tf_vrgd)),
-    "vr_sgd": _vr_type(VRSGD, _SGD, _check_sgd_decay),
+    "sgd": OptimizerType(_SGD, _build_sgd),
+    "adam": OptimizerType(_ADAM, _build_adam),
+    "adamw": OptimizerType(_ADAMW, _build_adamw),
+    "lamb": OptimizerType(_LAMB, _build_with(LAMB)),
+    "lars": OptimizerType(_LARS, _build_with(LARS, _lars_to_tf_vrgd)),
+    "vr_sgd": _vr_type(VRSGD, _SGD, _sgd_without_decay),
     "vr_adam": _vr_type(VRAdam, _ADAM),
     "vr_lamb": _vr_type(VRLAMB, _LAMB),
     "vr_lars": _vr_type(VRLARS, _LARS, _lars_to_tf_vrgd),
@@ -243,7 +248,7 @@ LARC_FIELDS = {**_constructor_fields(LARC, exclude=("optimizer",)), "optimizer":
 _S = keras.optimizers.schedules
 
 
-def _check_stepwise(what, f):
+def _build_stepwise(what, f):
     if len(f["values"]) != len(f["boundaries"]) + 1 or any(
         b >= c for b, c in zip(f["boundaries"], f["boundaries"][1:])
     ):
@@ -254,7 +259,7 @@ def _check_stepwise(what, f):
     return _S.PiecewiseConstantDecay(list(f["boundaries"]), list(f["values"]))
 
 
-def _check_linear_warmup(what, schedule, w):
+def _build_linear_warmup(what, schedule, w):
     if w["warmup_steps"] <= 0:
         raise ValueError(f"{what}.warmup_steps must be > 0. Received: {w['warmup_steps']}")
     return schedules.LinearWarmup(schedule, w["warmup_steps"], w["warmup_learning_rate"])
@@ -281,7 +286,7 @@ LEARNING_RATE_TYPES = {
     "stepwise": _ScheduleType(
         {"name": "PiecewiseConstantDecay", "boundaries": None, "values": None, "offset": 0},
         ("boundaries", "values"),
-        _check_stepwise,
+        _build_stepwise,
     ),
     "exponential": _ScheduleType(
         {
@@ -335,7 +340,7 @@ WARMUP_TYPES = {
     "linear": _ScheduleType(
         {"name": "linear", "warmup_learning_rate": 0.0, "warmup_steps": None},
         ("warmup_steps",),
-        _check_linear_warmup,
+        _build_linear_warmup,
     ),
     "polynomial": _ScheduleType(
         {"name": "polynomial", "power": 1.0, "warmup_steps": None},
@@ -419,23 +424,13 @@ def accumulation_steps(cfg: dict | str | os.PathLike) -> int:
     optimization block or a whole experiment) asks for: its
     `gradient_accumulation_steps`, or for a `larc` block its inner
     optimizer's (LARC applies on the inner optimizer's accumulated
-    gradient). 1 when unset.
-
-    Checks the one-of blocks it walks through; the fields themselves are
-    checked when the optimizer is built (`optimizer_from_config`).
+    gradient). 1 when unset. The block is checked as
+    `optimizer_from_config` checks it.
     """
-    block = optimization_block(cfg)
-    if "optimizer" not in block:
-        raise ValueError("The optimization block has no `optimizer`.")
-    what = "optimizer"
-    kind, fields = _one_of(what, block["optimizer"], {**OPTIMIZER_TYPES, "larc": None})
-    while kind == "larc":
-        what = f"{what}.larc.optimizer"
-        inner = fields.get("optimizer")
-        if inner is None:
-            raise ValueError(f"{what.rsplit('.', 1)[0]} needs an inner `optimizer` block.")
-        kind, fields = _one_of(what, inner, {**OPTIMIZER_TYPES, "larc": None})
-    return int(fields.get("gradient_accumulation_steps") or 1)
+    parsed = _parse_optimizer("optimizer", _optimizer_block(optimization_block(cfg)))
+    while parsed.inner is not None:
+        parsed = parsed.inner
+    return int(parsed.fields.get("gradient_accumulation_steps") or 1)
 
 
 def _number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
@@ -621,15 +616,31 @@ def _ema_kwargs(block):
     return {"use_ema": True, "ema_momentum": f["average_decay"]}
 
 
-def _optimizer(block_name, cfg, learning_rate, extra):
-    kind, given = _one_of(block_name, cfg, {**OPTIMIZER_TYPES, "larc": None})
-    what = f"{block_name}.{kind}"
+@dataclasses.dataclass(frozen=True)
+class _ParsedOptimizer:
+    """An `optimizer` one-of block, read and checked once: its type, its
+    fields (defaults filled in) and, for `larc`, the inner optimizer."""
+
+    kind: str
+    fields: dict
+    inner: "_ParsedOptimizer | None" = None
+
+
+def _optimizer_block(block):
+    if "optimizer" not in block:
+        raise ValueError("The optimization block has no `optimizer`.")
+    return block["optimizer"]
+
+
+def _parse_optimizer(what, cfg):
+    kind, given = _one_of(what, cfg, {**OPTIMIZER_TYPES, "larc": None})
+    what = f"{what}.{kind}"
     if kind == "larc":
         f = _fields(what, given, LARC_FIELDS)
         if f["optimizer"] is None:
             raise ValueError(f"{what} needs an inner `optimizer` block.")
-        inner = _optimizer(f"{what}.optimizer", f.pop("optimizer"), learning_rate, extra)
-        return LARC(inner, **f)
+        inner = _parse_optimizer(f"{what}.optimizer", f.pop("optimizer"))
+        return _ParsedOptimizer(kind, f, inner)
     if "eeta" in given and "trust_coefficient" in given:
         raise ValueError(f"{what}: give `eeta` or `trust_coefficient`, not both.")
     f = _fields(what, given, OPTIMIZER_TYPES[kind].fields)
@@ -637,11 +648,17 @@ def _optimizer(block_name, cfg, learning_rate, extra):
         # Model Garden: `if exclude_from_layer_adaptation:` else the
         # weight-decay list, so an empty list means that list too.
         f["exclude_from_layer_adaptation"] = None
-    accumulation_steps = f.get("gradient_accumulation_steps")
-    if accumulation_steps and accumulation_steps > 1:
+    return _ParsedOptimizer(kind, f)
+
+
+def _build_optimizer(parsed, learning_rate, extra):
+    if parsed.inner is not None:
+        return LARC(_build_optimizer(parsed.inner, learning_rate, extra), **parsed.fields)
+    accumulation = parsed.fields.get("gradient_accumulation_steps")
+    if accumulation and accumulation > 1:
         # The block's step counts are updates (see schedules.PerUpdate).
-        learning_rate = schedules.PerUpdate(learning_rate, accumulation_steps)
-    return OPTIMIZER_TYPES[kind].build(learning_rate, f, extra)
+        learning_rate = schedules.PerUpdate(learning_rate, accumulation)
+    return OPTIMIZER_TYPES[parsed.kind].build(learning_rate, parsed.fields, extra)
 
 
 def optimizer_from_config(cfg: dict | str | os.PathLike) -> keras.optimizers.Optimizer:
@@ -662,8 +679,8 @@ def optimizer_from_config(cfg: dict | str | os.PathLike) -> keras.optimizers.Opt
         raise ValueError(
             f"Unknown key(s) {unknown} in the optimization block. Accepted: {list(BLOCK_KEYS)}"
         )
-    if "optimizer" not in block:
-        raise ValueError("The optimization block has no `optimizer`.")
-    _one_of("optimizer", block["optimizer"], {**OPTIMIZER_TYPES, "larc": None})
+    # Model Garden's factory order: the optimizer's type and fields, then
+    # the learning rate, then the optimizer.
+    parsed = _parse_optimizer("optimizer", _optimizer_block(block))
     learning_rate = learning_rate_from_config(block)
-    return _optimizer("optimizer", block["optimizer"], learning_rate, _ema_kwargs(block))
+    return _build_optimizer(parsed, learning_rate, _ema_kwargs(block))

@@ -10,6 +10,7 @@ cast the result back to the variable dtype when they assign it.
 """
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -383,6 +384,87 @@ def gsnr_momentum_correction(beta_3: float, step: Scalar) -> tf.Tensor:
     shared by every variable of an update, or element-wise for a tensor of
     per-row counts (0 where a row was never measured)."""
     return 1.0 - tf.pow(tf.cast(beta_3, tf.float32), tf.cast(step, tf.float32))
+
+
+class GSNRScale(NamedTuple):
+    """What one GSNR update computes (`gsnr_scale`): ``applied``, the factor
+    of gbar; ``scale``, the clipped ratio r (the `gsnr_scale` slot's new
+    value); ``momentum``, the GSNR momentum's new value (None without one);
+    ``row_updates``, each row's new count of measured updates (None unless
+    asked for); ``statistics``, the rows of `gsnr_statistics` (one row, or
+    one per segment; None unless asked for)."""
+
+    applied: tf.Tensor
+    scale: tf.Tensor
+    momentum: tf.Tensor | None
+    row_updates: tf.Tensor | None
+    statistics: tf.Tensor | None
+
+
+def gsnr_scale(
+    gradient_mean: tf.Tensor,
+    second_moment: tf.Tensor,
+    gamma: Scalar,
+    epsilon: Scalar,
+    *,
+    beta_3: Scalar = 0.0,
+    correction: Scalar | None = None,
+    previous_scale: TensorLike | None = None,
+    previous_momentum: TensorLike | None = None,
+    previous_row_updates: TensorLike | None = None,
+    segments: tuple[tf.Tensor, Sequence[int]] | None = None,
+    statistics: bool = False,
+) -> GSNRScale:
+    """The VR rule from the moments to the factor applied to gbar, for one
+    variable, for several packed into one flat vector, or for the rows of a
+    table (docs/algorithms.md §2-3): raw GSNR, layer mean over the measured
+    elements, clip to [gamma, 1], then the GSNR momentum.
+
+    Args:
+        gradient_mean, second_moment: gbar and s (`gradient_moments`).
+        gamma, epsilon: the lower clip and the variance floor.
+        beta_3, correction: the GSNR momentum and its bias correction
+            ``1 - beta_3^t`` (`gsnr_momentum_correction`), used with
+            `previous_momentum`.
+        previous_scale: the last scale, kept where nothing is measured (None
+            where the caller keeps no scale).
+        previous_momentum: p_{t-1}, or None for no GSNR momentum (the factor
+            is then r).
+        previous_row_updates: for the rows of a table (`gradient_mean` is
+            [rows, ...]): each row's count of GSNR updates in which it had a
+            sample, before this one. Each row's correction then counts its
+            own updates, and `correction` is not used.
+        segments: ``(segment_ids, sizes)`` when the tensors are several
+            variables packed flat (`segment_normalized_clipped_gsnr`).
+        statistics: also return the `gsnr_statistics` rows.
+    """
+    gsnr = raw_gsnr(gradient_mean, second_moment, epsilon)
+    measured = measured_elements(second_moment)
+    if segments is None:
+        scale = normalized_clipped_gsnr(gsnr, gamma, measured)
+    else:
+        scale, layer_means, counts = segment_normalized_clipped_gsnr(
+            gsnr, *segments, gamma, measured
+        )
+    if previous_scale is not None:
+        scale = tf.where(measured, scale, previous_scale)
+    applied, momentum, row_updates, rows = scale, None, None, None
+    if previous_row_updates is not None:
+        sampled = tf.reduce_any(measured, axis=list(range(1, measured.shape.rank)))
+        row_updates = previous_row_updates + tf.cast(sampled, tf.float32)
+        per_row = tf.reshape(row_updates, [-1] + [1] * (scale.shape.rank - 1))
+        correction = gsnr_momentum_correction(beta_3, per_row)
+    if previous_momentum is not None:
+        momentum, applied = corrected_gsnr_momentum(
+            previous_momentum, scale, beta_3, correction, measured
+        )
+    if statistics and segments is None:
+        rows = gsnr_statistics(gsnr, scale, applied, gamma, measured)
+    elif statistics:
+        rows = segment_gsnr_statistics(
+            layer_means, scale, applied, segments[0], counts, gamma, measured
+        )
+    return GSNRScale(applied, scale, momentum, row_updates, rows)
 
 
 def sum_duplicate_rows(gradient: tf.IndexedSlices) -> tf.IndexedSlices:

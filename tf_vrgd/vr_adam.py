@@ -3,7 +3,7 @@ Signal to Noise Ratio")."""
 
 import keras
 
-from tf_vrgd import _gsnr, _validation
+from tf_vrgd import _validation
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd._types import LearningRate
 
@@ -28,18 +28,14 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
             epsilon: Float >= 0. Defaults to 1e-7 (Keras).
     {vr_args}"""
 
+    default_beta_3 = 0.9
+
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
-        gamma: float = 0.1,
-        beta_3: float = 0.9,
-        gsnr_epsilon: float = 1e-6,
-        jit_update: bool = True,
-        track_gsnr_statistics: bool = False,
-        gsnr_interval: int = 1,
         **kwargs,
     ) -> None:
         _validation.check_learning_rate(learning_rate)
@@ -49,12 +45,3 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
         super().__init__(
             learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, **kwargs
         )
-        self._init_gsnr(
-            gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics, gsnr_interval
-        )
-
-    def get_config(self):
-        return {**super().get_config(), **self._gsnr_config()}
-
-
-VRAdam.__doc__ = _gsnr.fill_vr_arguments(VRAdam.__doc__, beta_3=0.9)

@@ -4,7 +4,7 @@ an algorithm box)."""
 
 import keras
 
-from tf_vrgd import _gsnr, _validation
+from tf_vrgd import _validation
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd._types import LearningRate
 
@@ -40,12 +40,6 @@ class VRSGD(GSNRMixin, keras.optimizers.SGD):
         learning_rate: LearningRate = 0.01,
         momentum: float = 0.0,
         nesterov: bool = False,
-        gamma: float = 0.1,
-        beta_3: float = 0.0,
-        gsnr_epsilon: float = 1e-6,
-        jit_update: bool = True,
-        track_gsnr_statistics: bool = False,
-        gsnr_interval: int = 1,
         **kwargs,
     ) -> None:
         _validation.check_learning_rate(learning_rate)
@@ -54,12 +48,3 @@ class VRSGD(GSNRMixin, keras.optimizers.SGD):
         super().__init__(
             learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs
         )
-        self._init_gsnr(
-            gamma, beta_3, gsnr_epsilon, jit_update, track_gsnr_statistics, gsnr_interval
-        )
-
-    def get_config(self):
-        return {**super().get_config(), **self._gsnr_config()}
-
-
-VRSGD.__doc__ = _gsnr.fill_vr_arguments(VRSGD.__doc__, beta_3=0.0)
