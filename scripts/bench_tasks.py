@@ -101,14 +101,16 @@ def task_config(task_name, args, rows=None):
     """The task's config at the CPU sizes (unless --full), its DLRM tables
     with `rows` rows each if given."""
     from tf_vrgd import config
-    from tf_vrgd.experiments import train
+    from tf_vrgd.experiments import experiment_config
 
     cfg = config.load(os.path.join(ROOT, "configs", "paper", CONFIGS[task_name]))
     overrides = {} if args.full else dict(CPU_SIZES[task_name])
     rows = rows if rows is not None else args.rows
     if rows is not None:
         overrides["task.model.vocab_sizes"] = [rows] * 26
-    return train.apply_overrides(cfg, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    return experiment_config.apply_overrides(
+        cfg, [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    )
 
 
 def build(task_name, block, strategy, args):
@@ -244,7 +246,7 @@ def memory_child(task_name, strategy, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    from tf_vrgd.experiments import train
+    from tf_vrgd.experiments import distribution
 
     if args.dlrm_rows and args.tasks != ["dlrm"]:
         raise SystemExit("--dlrm-rows needs --tasks dlrm")
@@ -260,7 +262,7 @@ def main(argv=None):
                         flush=True,
                     )
         return 0
-    devices = train.setup_devices(args.replicas)
+    devices = distribution.setup_devices(args.replicas)
     import tensorflow as tf
 
     strategy = tf.distribute.MirroredStrategy(devices)

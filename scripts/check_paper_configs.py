@@ -47,14 +47,14 @@ def main(argv=None):
     parser.add_argument("--match", default="", help="only files whose name contains this")
     args = parser.parse_args(argv)
 
-    from tf_vrgd.experiments import train
+    from tf_vrgd.experiments import distribution, experiment_config
 
-    devices = train.setup_devices(args.replicas)
+    devices = distribution.setup_devices(args.replicas)
     import keras
     import tensorflow as tf
 
     from tf_vrgd import config
-    from tf_vrgd.experiments import task_runs
+    from tf_vrgd.experiments import distribution, task_runs
 
     strategy = tf.distribute.MirroredStrategy(devices)
     failures = 0
@@ -69,7 +69,9 @@ def main(argv=None):
         # The smallest batch that splits into the file's micro-steps and replicas.
         steps = config.accumulation_steps(cfg)
         overrides["task.train_data.global_batch_size"] = 2 * steps * args.replicas
-        cfg = train.apply_overrides(cfg, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+        cfg = experiment_config.apply_overrides(
+            cfg, [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+        )
         start = time.perf_counter()
         try:
             keras.backend.clear_session()

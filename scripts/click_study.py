@@ -243,9 +243,9 @@ def train_one(name, seed, data, strategy, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    from tf_vrgd.experiments import train
+    from tf_vrgd.experiments import distribution
 
-    devices = train.setup_devices(args.replicas)
+    devices = distribution.setup_devices(args.replicas)
     import tensorflow as tf
 
     strategy = tf.distribute.MirroredStrategy(devices)

@@ -113,10 +113,10 @@ def key(run):
 
 
 def experiment_for(run, args):
-    """The `train.Experiment` of one run: the batch's config with the study's
+    """The `fashion_mnist.Experiment` of one run: the batch's config with the study's
     width, accumulation and epochs, the rate scaled by the multiplier."""
     from tf_vrgd import config
-    from tf_vrgd.experiments import train
+    from tf_vrgd.experiments import experiment_config, fashion_mnist
 
     name = run["optimizer"]
     cfg = config.load(
@@ -144,8 +144,12 @@ def experiment_for(run, args):
     # accumulating it (the CNN has no batch statistics), and Keras'
     # accumulation does not run under MirroredStrategy (a collective inside
     # its tf.cond).
-    experiment = train.Experiment(cfg, epochs=args.epochs, seed=run["seed"], replicas=args.replicas)
-    experiment.block = train.rescale_schedule(experiment.block, 1.0, run["lr_multiplier"])
+    experiment = fashion_mnist.Experiment(
+        cfg, epochs=args.epochs, seed=run["seed"], replicas=args.replicas
+    )
+    experiment.block = experiment_config.rescale_schedule(
+        experiment.block, 1.0, run["lr_multiplier"]
+    )
     return experiment
 
 
@@ -153,12 +157,12 @@ def run_one(run, args, strategy, arrays):
     """Trains one run; returns its result row."""
     import keras
 
-    from tf_vrgd.experiments import train
+    from tf_vrgd.experiments import fashion_mnist
 
     keras.backend.clear_session()  # fresh layer names and graph state per run
     experiment = experiment_for(run, args)
     run_dir = os.path.join(args.output, "runs", key(run))
-    records = train.train_run(
+    records = fashion_mnist.train_run(
         run["optimizer"], experiment.block, experiment, strategy, arrays, run_dir, verbose=0
     )
     last = records[-1]

@@ -63,17 +63,17 @@ def run_one(run, args, strategy, arrays):
     import keras
 
     from tf_vrgd import config
-    from tf_vrgd.experiments import train
+    from tf_vrgd.experiments import experiment_config, fashion_mnist
 
     keras.backend.clear_session()  # fresh layer names and graph state per run
     name = run["optimizer"]
     path = os.path.join(ROOT, "configs", "fashion_mnist", f"{name}_b{run['batch']}.yaml")
-    experiment = train.Experiment(
+    experiment = fashion_mnist.Experiment(
         config.load(path), epochs=args.epochs, seed=run["seed"], replicas=args.replicas
     )
-    block = train.rescale_schedule(experiment.block, 1.0, run["lr_multiplier"])
+    block = experiment_config.rescale_schedule(experiment.block, 1.0, run["lr_multiplier"])
     run_dir = os.path.join(args.output, "runs", _key(run))
-    records = train.train_run(name, block, experiment, strategy, arrays, run_dir, verbose=0)
+    records = fashion_mnist.train_run(name, block, experiment, strategy, arrays, run_dir, verbose=0)
     best = max(records, key=lambda r: r["test_accuracy"])
     return {
         **run,

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from tests import task_data
-from tf_vrgd.experiments import tasks, train
+from tf_vrgd.experiments import experiment_config, run_folder, tasks, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER = os.path.join(ROOT, "configs", "paper")
@@ -41,7 +41,7 @@ TINY_CIFAR = {"task.model.resnet.model_id": 20, "task.train_data.global_batch_si
 def _cfg(name, overrides):
     from tf_vrgd import config
 
-    return train.apply_overrides(
+    return experiment_config.apply_overrides(
         config.load(os.path.join(PAPER, name)),
         [f"{k}={json.dumps(v)}" for k, v in overrides.items()],
     )
@@ -270,7 +270,7 @@ def test_files_that_do_not_match_the_config_are_named_before_training(
 
 
 def test_overrides_set_nested_fields_as_yaml():
-    cfg = train.apply_overrides(
+    cfg = experiment_config.apply_overrides(
         {"task": {"model": {"type": "dlrm"}}},
         ["task.model.vocab_sizes=[3, 4]", "task.train_data.input_path=/x/*.tsv", "a.b=0.5"],
     )
@@ -278,13 +278,13 @@ def test_overrides_set_nested_fields_as_yaml():
     assert cfg["task"]["train_data"]["input_path"] == "/x/*.tsv"
     assert cfg["a"]["b"] == 0.5
     with pytest.raises(ValueError, match="is a value, not a block"):
-        train.apply_overrides(cfg, ["task.model.type.x=1"])
+        experiment_config.apply_overrides(cfg, ["task.model.type.x=1"])
     with pytest.raises(ValueError, match=r"DOTTED\.KEY=VALUE"):
-        train.apply_overrides(cfg, ["task.model.type"])
+        experiment_config.apply_overrides(cfg, ["task.model.type"])
 
 
 def test_a_larc_block_counts_its_inner_optimizers_micro_steps():
-    from tf_vrgd.experiments import task_runs
+    from tf_vrgd.experiments import experiment_config, task_runs
 
     inner = {"type": "vr_lars", "vr_lars": {"gradient_accumulation_steps": 4}}
     larc = {"type": "larc", "larc": {"trust_coefficient": 0.001, "optimizer": inner}}
@@ -297,7 +297,8 @@ def test_a_larc_block_counts_its_inner_optimizers_micro_steps():
     assert (experiment.accumulation, experiment.step_batch) == (4, 16)
     with pytest.raises(ValueError, match="does not split into 4 accumulation steps over 2"):
         task_runs.TaskExperiment(
-            train.apply_overrides(cfg, ["task.train_data.global_batch_size=36"]), replicas=2
+            experiment_config.apply_overrides(cfg, ["task.train_data.global_batch_size=36"]),
+            replicas=2,
         )
 
 
@@ -423,11 +424,11 @@ def test_unreadable_checkpoints_are_named_and_left_out(tmp_path, capsys):
         archive.writestr("config.json", "{}")
     (tmp_path / "checkpoint-epoch2.keras").write_bytes(good.read_bytes()[:-10])
     (tmp_path / "checkpoint-epoch3.keras").write_bytes(b"")
-    assert train.resumable_checkpoints(str(tmp_path), "run") == {1: str(good)}
+    assert run_folder.resumable_checkpoints(str(tmp_path), "run") == {1: str(good)}
     said = capsys.readouterr().out
     assert f"[run] {tmp_path / 'checkpoint-epoch3.keras'} is unreadable (BadZipFile" in said
     assert f"[run] {tmp_path / 'checkpoint-epoch2.keras'} is unreadable" in said
-    assert train.resumable_checkpoints(str(tmp_path / "none"), "run") == {}
+    assert run_folder.resumable_checkpoints(str(tmp_path / "none"), "run") == {}
 
 
 @pytest.mark.parametrize("damage", ["truncated"])

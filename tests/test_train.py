@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tf_vrgd.experiments import data
+from tf_vrgd.experiments import data, experiment_config, fashion_mnist, run_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -227,7 +227,7 @@ def test_overrides_rescale_the_schedule_and_the_rate():
     args = train.parse_args(
         ["--config", path, "--output", "unused", "--batch-size", "2048", "--epochs", "2"]
     )
-    experiment = train.Experiment.from_args(cfg, args)
+    experiment = fashion_mnist.Experiment.from_args(cfg, args)
     assert (experiment.batch_size, experiment.epochs, experiment.steps_per_epoch) == (2048, 2, 29)
     lr = experiment.block["learning_rate"]["cosine"]
     original = cfg["trainer"]["optimizer_config"]["learning_rate"]["cosine"]
@@ -238,7 +238,7 @@ def test_overrides_rescale_the_schedule_and_the_rate():
     with pytest.raises(SystemExit):
         train.parse_args(["--config", path, "--output", "x", "--epochs", "0"])
     with pytest.raises(ValueError, match="does not split over 3 replicas"):
-        train.Experiment(cfg, replicas=3)
+        fashion_mnist.Experiment(cfg, replicas=3)
 
 
 def _experiment(argv):
@@ -246,22 +246,21 @@ def _experiment(argv):
     from tf_vrgd.experiments import train
 
     args = train.parse_args(argv)
-    return train.Experiment.from_args(config.load(args.config), args), args
+    return fashion_mnist.Experiment.from_args(config.load(args.config), args), args
 
 
 def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
-    from tf_vrgd.experiments import train
 
     config_path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
     base = ["--config", config_path, "--output", str(tmp_path)]
     experiment, args = _experiment(base + ["--epochs", "1"])
-    train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
+    run_folder.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
     run_dir = tmp_path / "lamb"
     run_dir.mkdir()
     (run_dir / "checkpoint-epoch1.keras").write_text("")
     (run_dir / "metrics.jsonl").write_text("")
     # The same command resumes.
-    train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
+    run_folder.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
     for change, said in (
         (["--epochs", "2"], "epochs: 1 then, 2 now"),
         (["--epochs", "1", "--seed", "5"], "seed: 0 then, 5 now"),
@@ -270,21 +269,22 @@ def test_resume_with_other_settings_is_refused_until_restart(tmp_path):
     ):
         experiment, args = _experiment(base + change)
         with pytest.raises(SystemExit, match=f"{said}.*--restart"):
-            train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
+            run_folder.check_settings(
+                str(tmp_path), experiment.settings(args.compare), restart=False
+            )
     other = os.path.join(ROOT, "configs", "fashion_mnist", "adam_b8192.yaml")
     experiment, args = _experiment(["--config", other, "--output", str(tmp_path), "--epochs", "1"])
     with pytest.raises(SystemExit, match="config"):
-        train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
+        run_folder.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
     # --restart discards the old run and records the new settings.
-    train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=True)
+    run_folder.check_settings(str(tmp_path), experiment.settings(args.compare), restart=True)
     assert not run_dir.exists()
-    train.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
+    run_folder.check_settings(str(tmp_path), experiment.settings(args.compare), restart=False)
 
 
 def test_settings_mismatch_names_the_changed_fields(tmp_path):
     """A change deep in the config shows as its dotted path with both values
     (the whole config was cut to one 77-character prefix on both sides)."""
-    from tf_vrgd.experiments import train
 
     settings = {
         "config": {
@@ -293,12 +293,12 @@ def test_settings_mismatch_names_the_changed_fields(tmp_path):
         },
         "seed": 0,
     }
-    train.check_settings(str(tmp_path), settings, restart=False)
+    run_folder.check_settings(str(tmp_path), settings, restart=False)
     changed = json.loads(json.dumps(settings))
     changed["config"]["trainer"]["optimizer_config"]["optimizer"]["type"] = "sgd"
     changed["config"]["task"]["train_data"] = {"input_path": "/data/day_*"}
     with pytest.raises(SystemExit) as raised:
-        train.check_settings(str(tmp_path), changed, restart=False)
+        run_folder.check_settings(str(tmp_path), changed, restart=False)
     message = str(raised.value)
     assert 'config.trainer.optimizer_config.optimizer.type: "vr_sgd" then, "sgd" now' in message
     assert 'config.task.train_data.input_path: "(unset)" then, "/data/day_*" now' in message
@@ -306,29 +306,26 @@ def test_settings_mismatch_names_the_changed_fields(tmp_path):
 
 
 def test_partial_checkpoints_are_removed(tmp_path):
-    from tf_vrgd.experiments import train
 
     for name in ("tmp1234.keras", "tmp99.keras", "checkpoint-epoch2.keras", "notes.txt"):
         (tmp_path / name).write_text("")
-    train.remove_partial_checkpoints(str(tmp_path))
+    run_folder.remove_partial_checkpoints(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-epoch2.keras", "notes.txt"]
 
 
 def test_compare_checks_every_run_before_training(tmp_path):
-    from tf_vrgd.experiments import train
 
     config_path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
     experiment, _ = _experiment(
         ["--config", config_path, "--output", str(tmp_path), "--replicas", "1", "--compare"]
     )
-    train.check_runs(experiment, compare=False)  # LAMB alone trains on one replica
+    experiment_config.check_runs(experiment, compare=False)  # LAMB alone trains on one replica
     with pytest.raises(SystemExit, match=r"'vr_lamb' cannot train.*k >= 2"):
-        train.check_runs(experiment, compare=True)
+        experiment_config.check_runs(experiment, compare=True)
 
 
 def test_a_larc_block_counts_its_inner_optimizers_micro_steps():
     from tf_vrgd import config
-    from tf_vrgd.experiments import train
 
     path = os.path.join(ROOT, "configs", "fashion_mnist", "lamb_b8192.yaml")
     cfg = config.load(path)
@@ -338,7 +335,7 @@ def test_a_larc_block_counts_its_inner_optimizers_micro_steps():
         "lamb": {**block["optimizer"]["lamb"], "gradient_accumulation_steps": 2},
     }
     block["optimizer"] = {"type": "larc", "larc": {"optimizer": inner}}
-    experiment = train.Experiment(cfg, batch_size=2048, epochs=2)
+    experiment = fashion_mnist.Experiment(cfg, batch_size=2048, epochs=2)
     # 2 epochs of 29 batches of 2048 are 29 updates of 2 micro-steps.
     assert experiment.steps_per_epoch == 29
     assert experiment.block["learning_rate"]["cosine"]["decay_steps"] == 29

@@ -1,6 +1,6 @@
 """Resumable grids of Fashion-MNIST runs (`scripts/sweep.py`,
 `scripts/study.py`): one JSON line per finished run in a results file, so
-that a rerun skips what is done (and `train.train_run` resumes an
+that a rerun skips what is done (and `fashion_mnist.train_run` resumes an
 unfinished run from its last checkpoint)."""
 
 import json
@@ -19,9 +19,9 @@ def load_results(path, key):
 def fashion_setup(replicas, data_dir=None, cache_dir=None):
     """The MirroredStrategy over `replicas` devices (logical CPUs without a
     GPU; must run before TensorFlow starts) and the Fashion-MNIST arrays."""
-    from tf_vrgd.experiments import train
+    from tf_vrgd.experiments import distribution
 
-    devices = train.setup_devices(replicas)
+    devices = distribution.setup_devices(replicas)
     import tensorflow as tf
 
     from tf_vrgd.experiments import data

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from tf_vrgd.experiments import train
+from tf_vrgd.experiments import experiment_config, run_folder
 
 DEFAULT_CHECKPOINT_INTERVAL = 1000
 
@@ -45,7 +45,7 @@ class TaskExperiment:
         from tf_vrgd import config
         from tf_vrgd.experiments import fields, tasks
 
-        get = train._get
+        get = experiment_config.lookup
         self.cfg = fields.check(cfg)
         self.task = tasks.from_config(cfg)
         block = config.optimization_block(cfg)
@@ -103,7 +103,9 @@ class TaskExperiment:
         self.block = block
         self.note = ""
         if self.train_steps != config_steps:
-            self.block = train.rescale_schedule(block, self.train_steps / config_steps, 1.0)
+            self.block = experiment_config.rescale_schedule(
+                block, self.train_steps / config_steps, 1.0
+            )
             self.note = f"schedule rescaled from {config_steps} to {self.train_steps} updates"
         # The schedule's fields, checked before any device is set up (the
         # optimizers are built, and their fields checked, once they are).
@@ -124,7 +126,7 @@ class TaskExperiment:
         }
 
     def runs(self, compare):
-        return train.runs_of(self.block, compare)
+        return experiment_config.runs_of(self.block, compare)
 
     def check_input(self):
         """Raises ValueError if the first record of a split's files does not
@@ -258,10 +260,10 @@ def _interval_callback(experiment, strategy, model, vr_optimizer, run_dir, recor
                     validation, steps=experiment.validation_steps, verbose=0, return_dict=True
                 )
                 record.update({f"validation_{k}": float(v) for k, v in values.items()})
-            record.update(train.gsnr_entries(model, vr_optimizer))
+            record.update(run_folder.gsnr_entries(model, vr_optimizer))
             records.append(record)
-            train.write_records(run_dir, records)
-            train.save_checkpoint(model, run_dir, epoch + 1, keep=experiment.max_to_keep)
+            run_folder.write_records(run_dir, records)
+            run_folder.save_checkpoint(model, run_dir, epoch + 1, keep=experiment.max_to_keep)
 
     return IntervalEnd()
 
@@ -281,8 +283,8 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
 
     write_dir = scratch or run_dir
     os.makedirs(write_dir, exist_ok=True)
-    train.remove_partial_checkpoints(write_dir)
-    checkpoints = train.resumable_checkpoints(run_dir, name)
+    run_folder.remove_partial_checkpoints(write_dir)
+    checkpoints = run_folder.resumable_checkpoints(run_dir, name)
     done = max(checkpoints, default=0)
     _check_workers_agree(strategy, done, run_dir)
     keras.mixed_precision.set_global_policy(experiment.dtype_policy)
@@ -308,7 +310,7 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
             # BERT's output layer tied to its token embedding.
             model.optimizer.build(model.trainable_variables)
             model.load_weights(checkpoints[done])
-    records = train.read_records(os.path.join(run_dir, "metrics.jsonl"), done)
+    records = run_folder.read_records(os.path.join(run_dir, "metrics.jsonl"), done)
     if done:
         print(f"[{name}] resuming after interval {done} from {checkpoints[done]}", flush=True)
     monitor = [] if vr_optimizer is None else [tf_vrgd.GSNRMonitor(per_variable=False)]

@@ -24,14 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_vrgd.experiments import resnet
-
-
-def _get(cfg, path, default=None):
-    for key in path.split("."):
-        if not isinstance(cfg, dict) or key not in cfg:
-            return default
-        cfg = cfg[key]
-    return default if cfg is None else cfg
+from tf_vrgd.experiments.experiment_config import lookup
 
 
 def _tfrecord_problem(name, problem_of):
@@ -207,7 +200,7 @@ class Task:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.model_cfg = copy.deepcopy(_get(cfg, "task.model", {}))
+        self.model_cfg = copy.deepcopy(lookup(cfg, "task.model", {}))
 
     def build_model(self):
         raise NotImplementedError
@@ -237,7 +230,7 @@ class Task:
     def input_path(self, split):
         """`split`'s `input_path`; None where a split other than `train`
         names none (`train` must: `_files` says so)."""
-        path = _get(self._data_cfg(split), "input_path")
+        path = lookup(self._data_cfg(split), "input_path")
         return path if path or split == "train" else None
 
     def check_input(self, split):
@@ -283,14 +276,14 @@ class Task:
         return tf.data.Dataset.from_tensors(batch).repeat()
 
     def _data_cfg(self, split):
-        return _get(self.cfg, f"task.{split}_data", {})
+        return lookup(self.cfg, f"task.{split}_data", {})
 
     def _drop_remainder(self, split):
         """Model Garden's `drop_remainder` (default True): batches of fewer
         examples than the batch are dropped; a partial batch split over
         replicas can leave a replica without examples, which BatchNorm and
         some reductions refuse."""
-        return bool(_get(self._data_cfg(split), "drop_remainder", True))
+        return bool(lookup(self._data_cfg(split), "drop_remainder", True))
 
 
 # --- BERT --------------------------------------------------------------------
@@ -305,7 +298,7 @@ class BertPretraining(Task):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        bert = _get(self.model_cfg, "encoder.bert", {})
+        bert = lookup(self.model_cfg, "encoder.bert", {})
         self.vocab_size = int(bert.get("vocab_size", 30522))
         self.hidden_size = int(bert.get("hidden_size", 768))
         self.num_layers = int(bert.get("num_layers", 12))
@@ -506,7 +499,7 @@ class ImageClassification(Task):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.depth = int(_get(self.model_cfg, "resnet.model_id", 50))
+        self.depth = int(lookup(self.model_cfg, "resnet.model_id", 50))
         self.cifar = self.depth in resnet.CIFAR_DEPTHS
         if not self.cifar and self.depth not in resnet.IMAGENET_BLOCKS:
             raise ValueError(
@@ -515,9 +508,9 @@ class ImageClassification(Task):
                 f"Received: {self.depth}"
             )
         default_size = [32, 32, 3] if self.cifar else [224, 224, 3]
-        self.input_size = [int(s) for s in _get(self.model_cfg, "input_size", default_size)]
-        self.num_classes = int(_get(self.model_cfg, "num_classes", 10 if self.cifar else 1001))
-        losses = _get(cfg, "task.losses", {})
+        self.input_size = [int(s) for s in lookup(self.model_cfg, "input_size", default_size)]
+        self.num_classes = int(lookup(self.model_cfg, "num_classes", 10 if self.cifar else 1001))
+        losses = lookup(cfg, "task.losses", {})
         self.label_smoothing = float(losses.get("label_smoothing", 0.0) or 0.0)
         self.l2 = float(losses.get("l2_weight_decay", 0.0) or 0.0)
 
@@ -928,7 +921,7 @@ TASKS = {"bert": BertPretraining, "resnet": ImageClassification, "dlrm": Dlrm}
 
 def from_config(cfg):
     """The task of an experiment, by `task.model.type`."""
-    kind = _get(cfg, "task.model.type")
+    kind = lookup(cfg, "task.model.type")
     if kind not in TASKS:
         raise ValueError(
             f"task.model.type must be one of {sorted(TASKS)} or fashion_mnist_cnn. "

@@ -1,0 +1,203 @@
+"""A run folder and the `--output` folder above it: the metrics records,
+the checkpoints (written whole, the unreadable ones named and skipped), the
+settings a resume must match, each run's optimization block and the
+summary."""
+
+import csv
+import json
+import os
+import shutil
+
+
+def read_records(path, before_epoch):
+    """The metrics records of epochs < `before_epoch` (a resumed run drops
+    any record written after its last checkpoint)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r["epoch"] < before_epoch]
+
+
+def _replace(path, write):
+    """Writes through `write(file)` to a temporary file, then renames it."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def write_records(run_dir, records):
+    """metrics.jsonl and metrics.csv, each replaced whole."""
+    _replace(
+        os.path.join(run_dir, "metrics.jsonl"),
+        lambda f: f.writelines(json.dumps(r) + "\n" for r in records),
+    )
+    keys = []
+    for r in records:
+        keys += [k for k in r if k not in keys]
+
+    def table(f):
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(records)
+
+    _replace(os.path.join(run_dir, "metrics.csv"), table)
+
+
+def _checkpoints(run_dir):
+    """{completed epochs: path} of the run's checkpoints."""
+    found = {}
+    for name in os.listdir(run_dir):
+        if name.startswith("checkpoint-epoch") and name.endswith(".keras"):
+            found[int(name[len("checkpoint-epoch") : -len(".keras")])] = os.path.join(run_dir, name)
+    return found
+
+
+def resumable_checkpoints(run_dir, name):
+    """{completed epochs: path} of the run's checkpoints, the unreadable ones
+    (an empty or truncated file: a full disk, a copy cut short) left out,
+    each named in a printed line; {} where `run_dir` does not exist."""
+    if not os.path.isdir(run_dir):
+        return {}
+    checkpoints = _checkpoints(run_dir)
+    for epochs in sorted(checkpoints, reverse=True):
+        problem = _checkpoint_problem(checkpoints[epochs])
+        if not problem:
+            break
+        print(
+            f"[{name}] {checkpoints.pop(epochs)} is unreadable ({problem}); "
+            "resuming from the newest intact checkpoint before it, if any",
+            flush=True,
+        )
+    return checkpoints
+
+
+def _checkpoint_problem(path):
+    """Why the `.keras` file (a zip archive) at `path` cannot be read; ""
+    if every member reads back with its checksum."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        return f"{type(error).__name__}: {error}"
+    return f"member {bad} fails its checksum" if bad else ""
+
+
+def remove_partial_checkpoints(run_dir):
+    """Removes the `tmp<pid>.keras` files that `save_checkpoint` leaves when
+    killed while writing (one process trains a run folder at a time)."""
+    for entry in os.listdir(run_dir):
+        if entry.startswith("tmp") and entry.endswith(".keras"):
+            os.remove(os.path.join(run_dir, entry))
+
+
+def save_checkpoint(model, run_dir, epochs_done, keep=1):
+    """Model and optimizer after `epochs_done` epochs, written under a
+    temporary name and renamed (a kill leaves the previous one intact); all
+    but the newest `keep` checkpoints are removed afterwards."""
+    path = os.path.join(run_dir, f"checkpoint-epoch{epochs_done}.keras")
+    tmp = os.path.join(run_dir, f"tmp{os.getpid()}.keras")
+    model.save(tmp)
+    os.replace(tmp, path)
+    for epochs, old in _checkpoints(run_dir).items():
+        if epochs <= epochs_done - keep:
+            os.remove(old)
+
+
+def gsnr_entries(model, vr_optimizer):
+    """`{"<log key>/<variable path>": value}` of the VR optimizer's GSNR
+    statistics since the epoch began (GSNRMonitor resets them at epoch
+    start); empty without a VR optimizer."""
+    from tf_vrgd import statistics
+
+    entries = {}
+    if vr_optimizer is None:
+        return entries
+    for path, stats in vr_optimizer.gsnr_statistics().items():
+        # A loaded model's paths lack the model-name prefix of a fresh one;
+        # keys must not change when a run resumes.
+        path = path.removeprefix(f"{model.name}/")
+        for column, key in statistics.LOG_KEYS.items():
+            entries[f"{key}/{path}"] = stats[column]
+    return entries
+
+
+SETTINGS_FILE = "settings.json"
+
+
+def check_settings(output, settings, restart, write=True):
+    """Records `settings` in `output` (if `write`), or checks them against
+    the ones a previous start recorded there: a resume must continue the
+    same run. With `restart`, the folder's earlier results are discarded
+    instead."""
+    path = os.path.join(output, SETTINGS_FILE)
+    if restart:
+        for entry in os.listdir(output):
+            run_dir = os.path.join(output, entry)
+            if os.path.isdir(run_dir) and (
+                _checkpoints(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+            ):
+                shutil.rmtree(run_dir)
+        if os.path.exists(path):
+            os.remove(path)
+    if os.path.exists(path):
+        with open(path) as f:
+            recorded = json.load(f)
+        from tf_vrgd.experiments import fields
+
+        # Compared field by field (dotted paths into nested blocks), so that
+        # the message names the fields that changed, not the whole config.
+        recorded = fields.leaves(recorded)
+        settings = fields.leaves(json.loads(json.dumps(settings)))  # as JSON reads it back
+        missing = "(unset)"
+        changed = sorted(
+            k
+            for k in set(recorded) | set(settings)
+            if recorded.get(k, missing) != settings.get(k, missing)
+        )
+        if changed:
+            details = "; ".join(
+                f"{k}: {_short(recorded.get(k, missing))} then, "
+                f"{_short(settings.get(k, missing))} now"
+                for k in changed
+            )
+            raise SystemExit(
+                f"vrgd-train: {output} holds a run started with other settings ({details}). "
+                "Resuming would continue that run with these settings. Use a new --output, "
+                "or pass --restart to discard the folder's results and start over."
+            )
+        return
+    if write:
+        _replace(path, lambda f: json.dump(settings, f, indent=2, sort_keys=True))
+
+
+def _short(value):
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def train_each(args, experiment, train_one, write=True):
+    """`{run name: records}`: each run of the experiment (the config's, then
+    with --compare its twin) trained by `train_one(name, block, run_dir)`,
+    its optimization block written beside it (if `write`)."""
+    runs = {}
+    for name, block in experiment.runs(args.compare):
+        print(f"\n=== {name} ===", flush=True)
+        if write:
+            with open(os.path.join(args.output, f"{name}.optimization.json"), "w") as f:
+                json.dump(block, f, indent=2)
+        runs[name] = train_one(name, block, os.path.join(args.output, name))
+    return runs
+
+
+def write_summary(args, experiment, rows, format_rows):
+    """summary.json and summary.txt in --output; returns the table."""
+    table = format_rows(rows)
+    with open(os.path.join(args.output, "summary.json"), "w") as f:
+        json.dump({"config": args.config, "note": experiment.note, "runs": rows}, f, indent=2)
+    with open(os.path.join(args.output, "summary.txt"), "w") as f:
+        f.write(table + "\n")
+    return table
