@@ -221,7 +221,7 @@ def main(argv=None):
         ),
     )
     table = write_summary(
-        args, experiment, reporting.reporting.summarize(runs, experiment), reporting.format_table
+        args, experiment, reporting.summarize(runs, experiment), reporting.format_table
     )
     plots = reporting.plot(runs, args.output)
     print(f"\nplots: {', '.join(plots)}")
