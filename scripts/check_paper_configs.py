@@ -1,8 +1,10 @@
 """Starts training every experiment of configs/paper, in one process: each
-task at a tiny size (`TINY`), its config's optimizer exactly as the file
+task at a tiny size (`tasks.TINY_SIZES`), its config's optimizer exactly as the file
 gives it (type, fields, accumulation, schedule), on `--synthetic` input,
-for `--updates` updates under `--replicas` replicas. Prints one line per
-file and exits non-zero if any fails to train or gives a non-finite loss.
+for `--updates` updates under `--replicas` replicas, through `vrgd-train`'s
+own run (`task_runs.train_task_run`, into a temporary folder). Prints one
+line per file and exits non-zero if any fails to train or gives a
+non-finite loss.
 
     python scripts/check_paper_configs.py              # all files, 2 replicas
     python scripts/check_paper_configs.py --match dlrm
@@ -13,6 +15,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -20,24 +23,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER = os.path.join(ROOT, "configs", "paper")
-TINY = {
-    "bert": {
-        "task.model.encoder.bert.num_layers": 1,
-        "task.model.encoder.bert.hidden_size": 16,
-        "task.model.encoder.bert.num_attention_heads": 2,
-        "task.model.encoder.bert.intermediate_size": 32,
-        "task.model.encoder.bert.vocab_size": 100,
-        "task.train_data.seq_length": 8,
-        "task.train_data.max_predictions_per_seq": 2,
-    },
-    "resnet": {"task.model.input_size": [32, 32, 3]},
-    "dlrm": {
-        "task.model.embedding_dim": 4,
-        "task.model.vocab_sizes": [20] * 26,
-        "task.model.bottom_mlp": [8, 4],
-        "task.model.top_mlp": [8, 1],
-    },
-}
 
 
 def main(argv=None):
@@ -54,7 +39,7 @@ def main(argv=None):
     import tensorflow as tf
 
     from tf_vrgd import config
-    from tf_vrgd.experiments import distribution, task_runs
+    from tf_vrgd.experiments import task_runs, tasks
 
     strategy = tf.distribute.MirroredStrategy(devices)
     failures = 0
@@ -63,9 +48,9 @@ def main(argv=None):
             continue
         cfg = config.load(os.path.join(PAPER, name))
         kind = cfg["task"]["model"]["type"]
-        overrides = dict(TINY[kind])
-        if kind == "resnet" and cfg["task"]["model"]["resnet"]["model_id"] != 50:
-            overrides = {"task.model.resnet.model_id": 20}  # the smallest CIFAR ResNet
+        overrides = dict(tasks.TINY_SIZES[kind])
+        if kind == "resnet" and cfg["task"]["model"]["resnet"]["model_id"] == 50:
+            overrides = {"task.model.input_size": [32, 32, 3]}  # ResNet-50, small images
         # The smallest batch that splits into the file's micro-steps and replicas.
         steps = config.accumulation_steps(cfg)
         overrides["task.train_data.global_batch_size"] = 2 * steps * args.replicas
@@ -78,20 +63,11 @@ def main(argv=None):
             experiment = task_runs.TaskExperiment(
                 cfg, train_steps=args.updates, replicas=args.replicas, synthetic=True
             )
-            with strategy.scope():
-                model = experiment.task.build_model()
-                model.compile(
-                    optimizer=config.optimizer_from_config(experiment.block),
-                    **experiment.task.compile_args(),
+            with tempfile.TemporaryDirectory() as run_dir:
+                records = task_runs.train_task_run(
+                    name, experiment.block, experiment, strategy, run_dir, verbose=0
                 )
-            history = model.fit(
-                experiment.dataset("train", 0),
-                steps_per_epoch=args.updates * experiment.accumulation,
-                epochs=1,
-                verbose=0,
-            )
-            loss = history.history["loss"][-1]
-            updates = int(model.optimizer.iterations.numpy())
+            loss, updates = records[-1]["train_loss"], records[-1]["updates"]
             ok = math.isfinite(loss) and updates == args.updates
             detail = f"loss {loss:.4g}, {updates} updates of {experiment.accumulation} step(s)"
         except Exception as error:  # reported per file, then the run goes on

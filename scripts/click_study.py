@@ -92,7 +92,7 @@ def auc(labels, scores):
 
 
 def dlrm_task(args):
-    from tf_vrgd.experiments import tasks
+    from tf_vrgd.experiments import dlrm_task
 
     cfg = {
         "task": {
@@ -105,7 +105,7 @@ def dlrm_task(args):
             }
         }
     }
-    return tasks.Dlrm(cfg)
+    return dlrm_task.Dlrm(cfg)
 
 
 def make_inputs(args, count, rng):

@@ -48,23 +48,9 @@ TASKS = {
 }
 # Per replica (GPU): examples of one step of each task and of the benchmark.
 GPU_BATCH = {"bert_large_phase1": 64, "resnet50_imagenet": 128, "bench": 64}
-DRY_TASK_OVERRIDES = {
-    "bert_large_phase1": {
-        "task.model.encoder.bert.num_layers": 2,
-        "task.model.encoder.bert.hidden_size": 32,
-        "task.model.encoder.bert.num_attention_heads": 2,
-        "task.model.encoder.bert.intermediate_size": 64,
-        "task.model.encoder.bert.vocab_size": 200,
-        "task.train_data.seq_length": 16,
-        "task.train_data.max_predictions_per_seq": 4,
-    },
-    # The CIFAR ResNet-20 in place of ResNet-50: the same task and path.
-    "resnet50_imagenet": {
-        "task.model.resnet.model_id": 20,
-        "task.model.input_size": [32, 32, 3],
-        "task.model.num_classes": 10,
-    },
-}
+# The dry run's tasks: tiny sizes, and the CIFAR ResNet-20 in place of
+# ResNet-50 (the same task and code path).
+DRY_TASKS = {"bert_large_phase1": "bert", "resnet50_imagenet": "resnet"}
 # Shares of the time limit, in this order.
 SHARES = {"environment": 0.03, "tests": 0.37, "bench": 0.3, "tasks": 0.3}
 
@@ -224,6 +210,13 @@ def _optimizer_type(config_path):
     return block["optimizer"]["type"]
 
 
+def _tiny_sizes(task):
+    sys.path.insert(0, ROOT)
+    from tf_vrgd.experiments import tasks
+
+    return tasks.TINY_SIZES[task]
+
+
 def tasks(args, gpus, timeout):
     results = []
     for name, config_file in TASKS.items():
@@ -235,7 +228,7 @@ def tasks(args, gpus, timeout):
         overrides = {
             "task.train_data.global_batch_size": per_replica * replicas * accumulation,
             "trainer.checkpoint_interval": 2 if args.dry_run else 10,
-            **(DRY_TASK_OVERRIDES[name] if args.dry_run else {}),
+            **(_tiny_sizes(DRY_TASKS[name]) if args.dry_run else {}),
         }
         if accumulation > 1:
             kind = _optimizer_type(path)

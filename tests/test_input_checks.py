@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tests import task_data
 from tests.test_tasks import PAPER, ROOT, TINY_BERT, TINY_CIFAR, TINY_DLRM, _cfg
-from tf_vrgd.experiments import tasks
+from tf_vrgd.experiments import image_task, tasks
 
 
 def _criteo(path, count=12, edit=None):
@@ -130,7 +130,7 @@ def test_cifar_labels_out_of_range_are_found_before_training(python, tmp_path):
         path.write_bytes(pickle.dumps(batch))
     else:
         data = bytearray(path.read_bytes())
-        data[2 * tasks.CIFAR_RECORD_BYTES] = 200
+        data[2 * image_task.CIFAR_RECORD_BYTES] = 200
         path.write_bytes(bytes(data))
     task = _cifar_task(str(tmp_path))
     with pytest.raises(ValueError, match=rf"task.train_data: .*{name}: record 2: label 200"):

@@ -1,4 +1,4 @@
-"""The training stream of the paper's tasks (`tasks.training_records`): it
+"""The training stream of the paper's tasks (`records.training_records`): it
 goes on from checkpoint interval to interval instead of starting over, it
 holds every record once per pass, and a stream started after n records is
 the uninterrupted one less its first n (what a resumed run reads). Checked
@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tests import task_data
 from tests.test_tasks import TINY_BERT, TINY_CIFAR, TINY_DLRM, _cfg, _flat
-from tf_vrgd.experiments import tasks
+from tf_vrgd.experiments import records, tasks
 from tf_vrgd.experiments.task_runs import TaskExperiment
 
 
@@ -37,7 +37,7 @@ def test_records_start_anywhere_and_hold_each_record_once_per_pass(shard, tmp_pa
     order of all of a pipeline's records; started at any record (within a
     block, at a file's end, past a pass) the stream continues the one from 0."""
     files = _numbered_files(tmp_path, [7, 3, 11, 5])
-    stream = lambda start: tasks.training_records(
+    stream = lambda start: records.training_records(
         files, tf.data.TextLineDataset, seed=5, start=start, shard=shard, block=4
     )
     full = _numbers(stream(0), 90)
@@ -68,7 +68,7 @@ def _file_numbers(path):
 def test_another_seed_gives_another_stream(tmp_path):
     files = _numbered_files(tmp_path, [30])
     one, two = (
-        _numbers(tasks.training_records(files, tf.data.TextLineDataset, seed, block=8), 30)
+        _numbers(records.training_records(files, tf.data.TextLineDataset, seed, block=8), 30)
         for seed in (0, 1)
     )
     assert sorted(one) == sorted(two) == list(range(30))

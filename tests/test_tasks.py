@@ -13,29 +13,14 @@ import pytest
 import tensorflow as tf
 
 from tests import task_data
-from tf_vrgd.experiments import experiment_config, run_folder, tasks, train
+from tf_vrgd.experiments import experiment_config, image_task, run_folder, tasks, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER = os.path.join(ROOT, "configs", "paper")
 
-TINY_BERT = {
-    "task.model.encoder.bert.num_layers": 2,
-    "task.model.encoder.bert.hidden_size": 32,
-    "task.model.encoder.bert.num_attention_heads": 2,
-    "task.model.encoder.bert.intermediate_size": 64,
-    "task.model.encoder.bert.vocab_size": 200,
-    "task.train_data.seq_length": 16,
-    "task.train_data.max_predictions_per_seq": 4,
-    "task.train_data.global_batch_size": 16,
-}
-TINY_DLRM = {
-    "task.model.embedding_dim": 4,
-    "task.model.vocab_sizes": [40] * 26,
-    "task.model.bottom_mlp": [16, 4],
-    "task.model.top_mlp": [16, 1],
-    "task.train_data.global_batch_size": 16,
-}
-TINY_CIFAR = {"task.model.resnet.model_id": 20, "task.train_data.global_batch_size": 16}
+TINY_BERT = {**tasks.TINY_SIZES["bert"], "task.train_data.global_batch_size": 16}
+TINY_DLRM = {**tasks.TINY_SIZES["dlrm"], "task.train_data.global_batch_size": 16}
+TINY_CIFAR = {**tasks.TINY_SIZES["resnet"], "task.train_data.global_batch_size": 16}
 
 
 def _cfg(name, overrides):
@@ -45,6 +30,20 @@ def _cfg(name, overrides):
         config.load(os.path.join(PAPER, name)),
         [f"{k}={json.dumps(v)}" for k, v in overrides.items()],
     )
+
+
+def test_both_experiments_are_what_vrgd_train_reads():
+    from tf_vrgd import config
+    from tf_vrgd.experiments import fashion_mnist, task_runs
+
+    fashion = fashion_mnist.Experiment(
+        config.load(os.path.join(ROOT, "configs", "fashion_mnist", "vr_adam_b4096.yaml"))
+    )
+    task = task_runs.TaskExperiment(_cfg("dlrm_vr_sgd_64k.yaml", TINY_DLRM), synthetic=True)
+    for experiment in (fashion, task):
+        assert isinstance(experiment, experiment_config.Experiment)
+        assert [name for name, _ in experiment.runs(True)][1:] in (["adam"], ["sgd"])
+        assert experiment.settings(True)["compare"] is True
 
 
 # --- input pipelines --------------------------------------------------------------
@@ -93,7 +92,9 @@ def test_cifar_batches_decode_to_the_written_images(tmp_path, python):
     np.testing.assert_array_equal(images.numpy(), written["train"][0])
     # Evaluation input: standardised per channel, labels one-hot.
     x, y = next(iter(task.dataset("validation", 2, seed=0)))
-    expected = (written["test"][0][:2].astype(np.float64) - tasks.CIFAR_MEAN) / tasks.CIFAR_STD
+    expected = (
+        written["test"][0][:2].astype(np.float64) - image_task.CIFAR_MEAN
+    ) / image_task.CIFAR_STD
     np.testing.assert_allclose(x.numpy(), expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.argmax(y.numpy(), 1), written["test"][1][:2])
 

@@ -1,11 +1,32 @@
 """An experiment config as `vrgd-train` reads it: one lookup of dotted
 fields, `--override` values, the rescaling of a schedule to another step
-count and rate, and the runs of an experiment (its optimizer, then its VR
-twin)."""
+count and rate, the runs of an experiment (its optimizer, then its VR
+twin), and `Experiment`, what the command's shared steps read of one."""
 
 import contextlib
 import copy
 import numbers
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Experiment(Protocol):
+    """An experiment as `vrgd-train`'s shared steps (`check_runs`,
+    `run_folder.check_settings`, `train_each`, `write_summary`) read it.
+    `fashion_mnist.Experiment` and `task_runs.TaskExperiment` implement it;
+    each adds what its own training loop needs."""
+
+    block: dict  # the optimization block, rescaled to the run
+    note: str  # how the config's schedule was changed ("" if not)
+    replicas: int
+
+    def settings(self, compare: bool) -> dict:
+        """What the run folder's results depend on, checked at a resume."""
+        ...
+
+    def runs(self, compare: bool) -> list:
+        """[(run name, optimization block)]: the config's, then its twin."""
+        ...
 
 
 def lookup(cfg, path, default=None):
@@ -106,7 +127,7 @@ def config_errors_exit():
         raise SystemExit(f"vrgd-train: {error}") from None
 
 
-def check_runs(experiment, compare):
+def check_runs(experiment: Experiment, compare):
     """Builds each run's optimizer before anything trains, so that a run
     that cannot train (a VR optimizer with k < 2 samples per update)
     stops the command before the first run, not after it."""

@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 
+from tf_vrgd.experiments.experiment_config import Experiment
+
 
 def read_records(path, before_epoch):
     """The metrics records of epochs < `before_epoch` (a resumed run drops
@@ -179,7 +181,7 @@ def _short(value):
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def train_each(args, experiment, train_one, write=True):
+def train_each(args, experiment: Experiment, train_one, write=True):
     """`{run name: records}`: each run of the experiment (the config's, then
     with --compare its twin) trained by `train_one(name, block, run_dir)`,
     its optimization block written beside it (if `write`)."""
@@ -193,7 +195,7 @@ def train_each(args, experiment, train_one, write=True):
     return runs
 
 
-def write_summary(args, experiment, rows, format_rows):
+def write_summary(args, experiment: Experiment, rows, format_rows):
     """summary.json and summary.txt in --output; returns the table."""
     table = format_rows(rows)
     with open(os.path.join(args.output, "summary.json"), "w") as f:

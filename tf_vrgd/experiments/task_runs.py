@@ -7,7 +7,7 @@ interval: running train loss and metrics, validation metrics where the
 config names validation files, learning rate, seconds, examples per second
 in all and per replica, and the GSNR statistics of a VR optimizer) and
 `checkpoint-epoch<N>.keras` after N intervals (model, optimizer state).
-The training stream is fixed by the run's seed (`tasks.training_records`)
+The training stream is fixed by the run's seed (`records.training_records`)
 and read on from interval to interval; a run resumed from its last
 checkpoint starts it after the updates done, so it sees the examples the
 uninterrupted run would have seen.
