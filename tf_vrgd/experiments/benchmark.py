@@ -1,8 +1,6 @@
-"""Side-by-side step-cost measurement (used by `scripts/bench_step.py`).
-
-Candidates are timed in one process, interleaved repetition by repetition,
-and summarised by medians, so that the ratios between them are measured
-under the same machine noise. Two things are timed:
+"""The step-cost matrix of `scripts/bench_step.py`: each VR optimizer (and
+LARC) against its base, timed side by side (`timing`) on the models of
+`bench_models`. Two things are timed:
 
 - the optimizer-only update: `optimizer.apply` on fixed per-replica
   gradients (no forward or backward pass), and
@@ -28,12 +26,26 @@ import dataclasses
 import functools
 import gc
 import math
-import statistics
-import time
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tf_vrgd.experiments.bench_models import (
+    cnn,
+    encoder,
+    make_batch,
+    mlp,
+    parameter_count,
+    resnet50,
+)
+from tf_vrgd.experiments.timing import (
+    Candidate,
+    collective_times,
+    compare,
+    first_step_times,
+    memory_bandwidth,
+)
 
 UPDATE_BYTES_PER_PARAMETER = {
     "SGD": 20,
@@ -45,197 +57,6 @@ UPDATE_BYTES_PER_PARAMETER = {
 VR_EXTRA_BYTES = {"sum of squares": 4, "gsnr momentum": 8}
 # Bytes per parameter of one accumulation micro-step.
 ACCUMULATION_BYTES = {"base": 12, "vr": 20}
-
-
-def memory_bandwidth(megabytes=256, repeats=5):
-    """Bytes/s of a large array copy (bytes read plus bytes written), the
-    best of `repeats`."""
-    source = np.ones(megabytes * 2**20 // 8, np.float64)
-    target = np.empty_like(source)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(target, source)
-        best = min(best, time.perf_counter() - start)
-    return 2 * source.nbytes / best
-
-
-def mlp(parameters=10_000_000, inputs=784, outputs=10):
-    """A 3-hidden-layer MLP with about `parameters` weights."""
-    # inputs*h + 2*h*h + h*outputs ~= parameters
-    a, b, c = 2.0, inputs + outputs, -float(parameters)
-    width = int((-b + np.sqrt(b * b - 4 * a * c)) / (2 * a))
-    return keras.Sequential(
-        [
-            keras.Input((inputs,)),
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.Dense(outputs),
-        ]
-    )
-
-
-def resnet50(classes=10, size=32):
-    """`keras.applications.ResNet50` on size x size x 3 inputs, untrained:
-    214 trainable variables (161 of them batch-norm scales and offsets)."""
-    return keras.applications.ResNet50(
-        weights=None, input_shape=(size, size, 3), classes=classes, classifier_activation=None
-    )
-
-
-class _PositionEmbedding(keras.layers.Layer):
-    """Adds a learned embedding of each position to its token embedding."""
-
-    def build(self, input_shape):
-        self.embeddings = self.add_weight(
-            shape=input_shape[1:], initializer="random_normal", name="embeddings"
-        )
-
-    def call(self, inputs):
-        return inputs + self.embeddings
-
-
-def encoder(
-    blocks=12, hidden=256, heads=4, intermediate=1024, vocabulary=1000, sequence=32, classes=10
-):
-    """A BERT-style encoder built from Keras layers: token and position
-    embeddings, `blocks` post-norm transformer blocks (`MultiHeadAttention`,
-    `LayerNormalization`, a two-`Dense` feed-forward) and a classifier on
-    the mean token. At the defaults: 196 trainable variables, 9.8 M
-    parameters."""
-    tokens = keras.Input((sequence,), dtype="int32")
-    x = _PositionEmbedding()(keras.layers.Embedding(vocabulary, hidden)(tokens))
-    for _ in range(blocks):
-        attention = keras.layers.MultiHeadAttention(heads, hidden // heads)(x, x)
-        x = keras.layers.LayerNormalization()(x + attention)
-        feed_forward = keras.layers.Dense(intermediate, activation="gelu")(x)
-        feed_forward = keras.layers.Dense(hidden)(feed_forward)
-        x = keras.layers.LayerNormalization()(x + feed_forward)
-    x = keras.layers.GlobalAveragePooling1D()(x)
-    return keras.Model(tokens, keras.layers.Dense(classes)(x))
-
-
-def parameter_count(model):
-    return int(sum(np.prod(v.shape) for v in model.trainable_variables))
-
-
-class Candidate:
-    """One optimizer on its own copy of a model, with compiled update and
-    training-step functions."""
-
-    def __init__(self, name, make_optimizer, make_model, strategy, batch, seed=0):
-        self.name = name
-        self.strategy = strategy
-        with strategy.scope():
-            keras.utils.set_random_seed(seed)
-            self.model = make_model()
-            self.optimizer = make_optimizer()
-            self.optimizer.build(self.model.trainable_variables)
-        variables = self.model.trainable_variables
-        replicas = strategy.num_replicas_in_sync
-        rng = np.random.default_rng(seed)
-        # Per-replica gradients, stacked: replica r takes slice r.
-        self._gradients = [
-            tf.constant(rng.standard_normal((replicas, *v.shape)).astype(np.float32) * 1e-3)
-            for v in variables
-        ]
-        x, y = batch
-        self._x, self._y = tf.constant(x), tf.constant(y)
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-        global_batch = int(x.shape[0])
-
-        @tf.function
-        def update():
-            def replica_fn():
-                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-                grads = [tf.gather(g, replica) / replicas for g in self._gradients]
-                self.optimizer.apply(grads, variables)
-
-            strategy.run(replica_fn)
-
-        @tf.function
-        def train_step():
-            def replica_fn():
-                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-                local = global_batch // replicas
-                xs = self._x[replica * local : (replica + 1) * local]
-                ys = self._y[replica * local : (replica + 1) * local]
-                with tf.GradientTape() as tape:
-                    loss = tf.nn.compute_average_loss(
-                        loss_fn(ys, self.model(xs, training=True)),
-                        global_batch_size=global_batch,
-                    )
-                grads = tape.gradient(loss, variables)
-                self.optimizer.apply(grads, variables)
-
-            strategy.run(replica_fn)
-
-        self.functions = {"update": update, "train step": train_step}
-
-    def time(self, kind, steps):
-        function = self.functions[kind]
-        start = time.perf_counter()
-        for _ in range(steps):
-            function()
-        # The last step's result is on the device: read a weight to wait.
-        self.model.trainable_variables[0].numpy()
-        return (time.perf_counter() - start) / steps
-
-
-def collective_times(strategy, parameters, steps=5, repeats=7):
-    """Median seconds of one cross-replica SUM of `parameters` float32
-    values, and of that sum together with the sum of squares (what a VR
-    update reduces), interleaved."""
-    replicas = strategy.num_replicas_in_sync
-    value = tf.constant(np.ones((replicas, parameters), np.float32))
-
-    def make(with_squares):
-        @tf.function
-        def reduce():
-            def replica_fn():
-                ctx = tf.distribute.get_replica_context()
-                g = tf.gather(value, ctx.replica_id_in_sync_group)
-                values = [g, g * g] if with_squares else [g]
-                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)[0]
-
-            return strategy.run(replica_fn)
-
-        return reduce
-
-    functions = {"sum": make(False), "sum and squares": make(True)}
-    samples = {name: [] for name in functions}
-    for fn in functions.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in functions.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                result = fn()
-            strategy.experimental_local_results(result)[0].numpy()
-            samples[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(times) for name, times in samples.items()}
-
-
-def compare(candidates, kind, steps=10, repeats=7, warmup=3):
-    """Median seconds per call of each candidate, interleaved.
-
-    Returns a dict name -> median seconds.
-    """
-    for candidate in candidates:
-        candidate.time(kind, warmup)
-    samples = {c.name: [] for c in candidates}
-    for _ in range(repeats):
-        for candidate in candidates:
-            samples[candidate.name].append(candidate.time(kind, steps))
-    return {name: statistics.median(times) for name, times in samples.items()}
-
-
-def cnn():
-    """The small Fashion-MNIST CNN of the CPU-scale experiments."""
-    from tf_vrgd.experiments import models
-
-    return models.fashion_mnist_cnn()
 
 
 def pairs():
@@ -318,37 +139,6 @@ MODEL_FACTORIES = {
 # Models measured at a fixed batch per replica (`--batch-per-replica`) rather
 # than at the global `--batch`.
 REAL_MODELS = ("resnet50", "encoder")
-
-
-def make_batch(model_name, global_batch, rng, image_size=32):
-    """A fixed random batch of inputs and integer labels for `model_name`."""
-    shapes = {"mlp": (784,), "cnn": (28, 28, 1), "resnet50": (image_size, image_size, 3)}
-    if model_name == "encoder":
-        x = rng.integers(0, 1000, (global_batch, 32)).astype(np.int32)
-    else:
-        x = rng.random((global_batch, *shapes[model_name]), np.float32)
-    return x, rng.integers(0, 10, global_batch).astype(np.int32)
-
-
-def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3):
-    """Median seconds from a fresh optimizer to the end of its first update
-    in a training step (trace, compile, run), per candidate, interleaved:
-    each round builds every candidate anew, in the same order.
-
-    Args:
-        factories: Dict name -> optimizer factory.
-        calls: Training-step calls up to the first update (the accumulation
-            steps A, with accumulation: the update's branch is compiled when
-            it first runs).
-    """
-    samples = {name: [] for name in factories}
-    for _ in range(rounds):
-        for name, make_optimizer in factories.items():
-            candidate = Candidate(name, make_optimizer, make_model, strategy, batch)
-            samples[name].append(candidate.time("train step", calls) * calls)
-            del candidate
-            gc.collect()
-    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def warm_up_runtime(strategy, extra):

@@ -1,0 +1,126 @@
+"""The VR update of this checkout against the same update at another commit,
+in one process (docs/RESULTS.md, "The VR update before and after a change").
+
+    python scripts/bench_versions.py --commit 2d21554
+    python scripts/bench_versions.py --commit HEAD~3 --models encoder --pairs Adam
+
+The package as it was at `--commit` is copied out of git (`git archive`)
+under another name, so that both versions import side by side; each pair
+then times Keras' base optimizer, the VR twin of that commit and this
+checkout's VR twin on their own copies of the model, `optimizer.apply` on
+fixed per-replica gradients (`timing.Candidate`), interleaved repetition by
+repetition, and prints the medians and the ratio new / old.
+"""
+
+import argparse
+import functools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Pair -> (Keras base optimizer, VR class name), at the bench's rates.
+PAIRS = {
+    "Momentum": (("SGD", {"learning_rate": 0.01, "momentum": 0.9}), "VRSGD"),
+    "Adam": (("Adam", {"learning_rate": 1e-3}), "VRAdam"),
+    "LAMB": (("Lamb", {"learning_rate": 1e-3}), "VRLAMB"),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--commit", required=True, help="the git revision to compare with")
+    parser.add_argument("--models", nargs="+", default=["encoder", "resnet50"])
+    parser.add_argument("--pairs", nargs="+", default=["Adam", "LAMB"], choices=PAIRS)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--batch-per-replica", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="updates per timed repetition")
+    parser.add_argument("--repeats", type=int, default=5)
+    return parser.parse_args(argv)
+
+
+def import_at(commit, folder):
+    """The `tf_vrgd` package of `commit`, imported as `tf_vrgd_at_commit`
+    from a copy in `folder`."""
+    import importlib
+
+    name = "tf_vrgd_at_commit"
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", commit, "tf_vrgd"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    os.rename(os.path.join(folder, "tf_vrgd"), os.path.join(folder, name))
+    for directory, _, files in os.walk(os.path.join(folder, name)):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(directory, file)
+                with open(path) as f:
+                    text = f.read()
+                with open(path, "w") as f:
+                    f.write(re.sub(r"\btf_vrgd\b", name, text))
+    sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * args.replicas
+        )
+    import keras
+    import numpy as np
+
+    import tf_vrgd
+    from tf_vrgd.experiments import bench_models, timing
+    from tf_vrgd.experiments.benchmark import warm_up_runtime
+
+    with tempfile.TemporaryDirectory() as folder:
+        old = import_at(args.commit, folder)
+        devices = [f"/gpu:{i}" for i in range(len(gpus))] or [
+            f"/cpu:{i}" for i in range(args.replicas)
+        ]
+        strategy = tf.distribute.MirroredStrategy(devices)
+        warm_up_runtime(strategy, {})
+        factories = {"encoder": bench_models.encoder, "resnet50": bench_models.resnet50}
+        rng = np.random.default_rng(0)
+        for model_name in args.models:
+            batch = bench_models.make_batch(
+                model_name, args.batch_per_replica * strategy.num_replicas_in_sync, rng
+            )
+            for pair in args.pairs:
+                (base_name, base_args), twin = PAIRS[pair]
+                candidates = [
+                    timing.Candidate(name, make, factories[model_name], strategy, batch)
+                    for name, make in (
+                        (
+                            "base",
+                            functools.partial(getattr(keras.optimizers, base_name), **base_args),
+                        ),
+                        ("old", functools.partial(getattr(old, twin), **base_args)),
+                        ("new", functools.partial(getattr(tf_vrgd, twin), **base_args)),
+                    )
+                ]
+                s = timing.compare(candidates, "update", args.steps, args.repeats, warmup=3)
+                print(
+                    f"{model_name:<9} {pair:<9} update: base {s['base'] * 1e3:8.1f} ms  "
+                    f"{args.commit} {s['old'] * 1e3:8.1f} ms ({s['old'] / s['base']:.2f}x)  "
+                    f"this {s['new'] * 1e3:8.1f} ms ({s['new'] / s['base']:.2f}x)  "
+                    f"this/{args.commit} {s['new'] / s['old']:.3f}",
+                    flush=True,
+                )
+                del candidates
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Timing candidates side by side in one process: each repetition runs
+every candidate in turn, and medians summarise, so that ratios between
+candidates are measured under the same machine noise."""
+
+import gc
+import statistics
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def memory_bandwidth(megabytes=256, repeats=5):
+    """Bytes/s of a large array copy (bytes read plus bytes written), the
+    best of `repeats`."""
+    source = np.ones(megabytes * 2**20 // 8, np.float64)
+    target = np.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best
+
+
+class Candidate:
+    """One optimizer on its own copy of a model, with compiled update and
+    training-step functions."""
+
+    def __init__(self, name, make_optimizer, make_model, strategy, batch, seed=0):
+        self.name = name
+        self.strategy = strategy
+        with strategy.scope():
+            keras.utils.set_random_seed(seed)
+            self.model = make_model()
+            self.optimizer = make_optimizer()
+            self.optimizer.build(self.model.trainable_variables)
+        variables = self.model.trainable_variables
+        replicas = strategy.num_replicas_in_sync
+        rng = np.random.default_rng(seed)
+        # Per-replica gradients, stacked: replica r takes slice r.
+        self._gradients = [
+            tf.constant(rng.standard_normal((replicas, *v.shape)).astype(np.float32) * 1e-3)
+            for v in variables
+        ]
+        x, y = batch
+        self._x, self._y = tf.constant(x), tf.constant(y)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+        global_batch = int(x.shape[0])
+
+        @tf.function
+        def update():
+            def replica_fn():
+                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+                grads = [tf.gather(g, replica) / replicas for g in self._gradients]
+                self.optimizer.apply(grads, variables)
+
+            strategy.run(replica_fn)
+
+        @tf.function
+        def train_step():
+            def replica_fn():
+                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+                local = global_batch // replicas
+                xs = self._x[replica * local : (replica + 1) * local]
+                ys = self._y[replica * local : (replica + 1) * local]
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(
+                        loss_fn(ys, self.model(xs, training=True)),
+                        global_batch_size=global_batch,
+                    )
+                grads = tape.gradient(loss, variables)
+                self.optimizer.apply(grads, variables)
+
+            strategy.run(replica_fn)
+
+        self.functions = {"update": update, "train step": train_step}
+
+    def time(self, kind, steps):
+        function = self.functions[kind]
+        start = time.perf_counter()
+        for _ in range(steps):
+            function()
+        # The last step's result is on the device: read a weight to wait.
+        self.model.trainable_variables[0].numpy()
+        return (time.perf_counter() - start) / steps
+
+
+def collective_times(strategy, parameters, steps=5, repeats=7):
+    """Median seconds of one cross-replica SUM of `parameters` float32
+    values, and of that sum together with the sum of squares (what a VR
+    update reduces), interleaved."""
+    replicas = strategy.num_replicas_in_sync
+    value = tf.constant(np.ones((replicas, parameters), np.float32))
+
+    def make(with_squares):
+        @tf.function
+        def reduce():
+            def replica_fn():
+                ctx = tf.distribute.get_replica_context()
+                g = tf.gather(value, ctx.replica_id_in_sync_group)
+                values = [g, g * g] if with_squares else [g]
+                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)[0]
+
+            return strategy.run(replica_fn)
+
+        return reduce
+
+    functions = {"sum": make(False), "sum and squares": make(True)}
+    samples = {name: [] for name in functions}
+    for fn in functions.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in functions.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                result = fn()
+            strategy.experimental_local_results(result)[0].numpy()
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def compare(candidates, kind, steps=10, repeats=7, warmup=3):
+    """Median seconds per call of each candidate, interleaved.
+
+    Returns a dict name -> median seconds.
+    """
+    for candidate in candidates:
+        candidate.time(kind, warmup)
+    samples = {c.name: [] for c in candidates}
+    for _ in range(repeats):
+        for candidate in candidates:
+            samples[candidate.name].append(candidate.time(kind, steps))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3):
+    """Median seconds from a fresh optimizer to the end of its first update
+    in a training step (trace, compile, run), per candidate, interleaved:
+    each round builds every candidate anew, in the same order.
+
+    Args:
+        factories: Dict name -> optimizer factory.
+        calls: Training-step calls up to the first update (the accumulation
+            steps A, with accumulation: the update's branch is compiled when
+            it first runs).
+    """
+    samples = {name: [] for name in factories}
+    for _ in range(rounds):
+        for name, make_optimizer in factories.items():
+            candidate = Candidate(name, make_optimizer, make_model, strategy, batch)
+            samples[name].append(candidate.time("train step", calls) * calls)
+            del candidate
+            gc.collect()
+    return {name: statistics.median(times) for name, times in samples.items()}
