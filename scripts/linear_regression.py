@@ -218,6 +218,8 @@ def _plot(runs, sweep, sgd_sweep, args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tf_vrgd.experiments import reporting
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     steps = np.arange(1, args.steps + 1)
     for name, style in (("sgd", "-"), ("vr_sgd", "--")):
@@ -239,15 +241,11 @@ def _plot(runs, sweep, sgd_sweep, args):
     axes[0].set_title("loss (a)")
     axes[1].set_title("weights: SGD solid, VR-SGD dashed (b)")
     axes[2].set_title("VR-SGD raw GSNR per weight (c)")
-    for ax in axes:
-        ax.set_xlabel("update")
-        ax.grid(alpha=0.3)
+    reporting.label_axes(axes, "update")
     axes[0].legend()
     axes[1].legend(fontsize=7, ncol=2)
     axes[2].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.output, "linear_regression_fig5.png"), dpi=100)
-    plt.close(fig)
+    reporting.save_figure(fig, os.path.join(args.output, "linear_regression_fig5.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     gammas = sorted(sweep["gamma"])

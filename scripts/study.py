@@ -54,6 +54,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs", "fashion_mnist")
 PAIRS = ("momentum", "adam", "lars", "lamb")
 PARTS = ("grid", "seeds", "effective", "samples")
 # Asked for by name only (`--parts interval`): the GSNR interval's cost.
@@ -113,86 +114,34 @@ def key(run):
 
 
 def experiment_for(run, args):
-    """The `fashion_mnist.Experiment` of one run: the batch's config with the study's
-    width, accumulation and epochs, the rate scaled by the multiplier."""
-    from tf_vrgd import config
-    from tf_vrgd.experiments import experiment_config, fashion_mnist
+    """The `fashion_mnist.Experiment` of one run: the batch's config with the
+    study's width and epochs, a twin's k samples as replicas x accumulation,
+    the rate scaled by the multiplier."""
+    from tf_vrgd.experiments import grids
 
     name = run["optimizer"]
-    cfg = config.load(
-        os.path.join(ROOT, "configs", "fashion_mnist", f"{name}_b{run['batch']}.yaml")
-    )
     accumulation = run["k"] // args.replicas
     if accumulation * args.replicas != run["k"] or run["batch"] % (accumulation * args.replicas):
         raise ValueError(f"k = {run['k']} does not fit {args.replicas} replicas and the batch.")
-    cfg["task"]["model"]["width"] = args.width
-    if accumulation > 1 and name.startswith("vr_"):
-        # An update takes `accumulation` batches of batch / accumulation: the
-        # config's rate and its step counts (per update) stay as they are.
-        cfg["task"]["train_data"]["global_batch_size"] = run["batch"] // accumulation
-        optimizer = cfg["trainer"]["optimizer_config"]["optimizer"]
-        kind = optimizer["type"]  # vr_momentum's type is vr_sgd
-        optimizer[kind] = {
-            **(optimizer.get(kind) or {}),
-            "gradient_accumulation_steps": accumulation,
-        }
+    fields = {}
     if run.get("gsnr_interval", 1) > 1:
-        optimizer = cfg["trainer"]["optimizer_config"]["optimizer"]
-        kind = optimizer["type"]
-        optimizer[kind] = {**(optimizer.get(kind) or {}), "gsnr_interval": run["gsnr_interval"]}
+        fields["gsnr_interval"] = run["gsnr_interval"]
     # A base takes the whole batch in one step: the same update as
     # accumulating it (the CNN has no batch statistics), and Keras'
     # accumulation does not run under MirroredStrategy (a collective inside
     # its tf.cond).
-    experiment = fashion_mnist.Experiment(
-        cfg, epochs=args.epochs, seed=run["seed"], replicas=args.replicas
+    return grids.experiment(
+        CONFIGS,
+        name,
+        run["batch"],
+        epochs=args.epochs,
+        seed=run["seed"],
+        replicas=args.replicas,
+        lr_multiplier=run["lr_multiplier"],
+        width=args.width,
+        accumulation=accumulation if name.startswith("vr_") else 1,
+        optimizer_fields=fields,
     )
-    experiment.block = experiment_config.rescale_schedule(
-        experiment.block, 1.0, run["lr_multiplier"]
-    )
-    return experiment
-
-
-def run_one(run, args, strategy, arrays):
-    """Trains one run; returns its result row."""
-    import keras
-
-    from tf_vrgd.experiments import fashion_mnist
-
-    keras.backend.clear_session()  # fresh layer names and graph state per run
-    experiment = experiment_for(run, args)
-    run_dir = os.path.join(args.output, "runs", key(run))
-    records = fashion_mnist.train_run(
-        run["optimizer"], experiment.block, experiment, strategy, arrays, run_dir, verbose=0
-    )
-    last = records[-1]
-    row = {
-        **run,
-        "epochs": len(records),
-        "best_test_accuracy": max(r["test_accuracy"] for r in records),
-        "final_test_accuracy": last["test_accuracy"],
-        "final_train_accuracy": last["train_accuracy"],
-        "generalization_gap": last["generalization_gap"],
-        "final_train_loss": last["train_loss"],
-        "final_test_loss": last["test_loss"],
-        "diverged": not all(math.isfinite(r["train_loss"]) for r in records),
-        "seconds": sum(r["seconds"] for r in records),
-    }
-    row.update(scale_means(records))
-    return row
-
-
-def scale_means(records):
-    """Model-wide (element-weighted) per-epoch GSNR statistics averaged over
-    the epochs that had a GSNR update (with `gsnr_interval` above the
-    updates per epoch, some epochs have none, and their statistics are
-    NaN); empty for a base optimizer."""
-    means = {}
-    for column in ("gsnr_scale", "gsnr_at_gamma", "gsnr_at_one"):
-        values = [r[column] for r in records if math.isfinite(r.get(column, math.nan))]
-        if values:
-            means[f"mean_{column}"] = stats.fmean(values)
-    return means
 
 
 # --- the parts ----------------------------------------------------------------
@@ -493,6 +442,8 @@ def plot(results, args, folder):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tf_vrgd.experiments import reporting
+
     os.makedirs(folder, exist_ok=True)
     k = args.replicas * args.accumulation
     names = [n for pair in args.pairs for n in (pair, f"vr_{pair}")]
@@ -501,11 +452,8 @@ def plot(results, args, folder):
     fig, axes = plt.subplots(1, len(args.batches), figsize=(6 * len(args.batches), 4))
     for ax, batch in zip(np.atleast_1d(axes), args.batches):
         for name in names:
-            points = sorted(
-                (r["lr_multiplier"], r["final_test_accuracy"])
-                for r in results.values()
-                if (r["optimizer"], r["batch"], r["k"], r["seed"]) == (name, batch, k, 0)
-                and not r.get("follows")
+            points = _accuracy_points(
+                results, "lr_multiplier", optimizer=name, batch=batch, k=k, seed=0
             )
             if points:
                 ax.plot(*zip(*points), "o-" if name.startswith("vr_") else "s--", label=name)
@@ -533,9 +481,7 @@ def plot(results, args, folder):
         axes[1].plot(epochs, [r["gsnr_at_gamma"] for r in records], label=label)
     axes[0].set_ylabel("mean applied scale (effective rate multiplier)")
     axes[1].set_ylabel("fraction of elements at gamma")
-    for ax in axes:
-        ax.set_xlabel("epoch")
-        ax.grid(alpha=0.3)
+    reporting.label_axes(axes, "epoch")
     paths.append(_save(fig, folder, "scale.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -544,11 +490,8 @@ def plot(results, args, folder):
         if not name.startswith("vr_") or (name, batch) not in best:
             continue
         rate = best[(name, batch)]["lr_multiplier"]
-        points = sorted(
-            (r["k"], r["final_test_accuracy"])
-            for r in results.values()
-            if (r["optimizer"], r["batch"], r["lr_multiplier"], r["seed"]) == (name, batch, rate, 0)
-            and not r.get("follows")
+        points = _accuracy_points(
+            results, "k", optimizer=name, batch=batch, lr_multiplier=rate, seed=0
         )
         if points:
             ax.plot(*zip(*points), "o-", label=f"{name} x{rate:g}")
@@ -561,23 +504,31 @@ def plot(results, args, folder):
     return paths
 
 
+def _accuracy_points(results, x, **fields):
+    """Sorted (row[x], final test accuracy) of the rows with these `fields`
+    (effective-rate runs left out)."""
+    return sorted(
+        (r[x], r["final_test_accuracy"])
+        for r in results.values()
+        if all(r[f] == v for f, v in fields.items()) and not r.get("follows")
+    )
+
+
 def _save(fig, folder, name):
+    from tf_vrgd.experiments import reporting
+
     for ax in fig.axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    path = os.path.join(folder, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return path
+    return reporting.save_figure(fig, os.path.join(folder, name), dpi=90)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.output, exist_ok=True)
-    results_path = os.path.join(args.output, "results.jsonl")
     from tf_vrgd.experiments import grids
 
-    results = grids.load_results(results_path, key)
+    runs = grids.Grid(args.output, key)
+    results = runs.results
     if args.report:
         print(report(results, args))
         if args.plots:
@@ -586,17 +537,13 @@ def main(argv=None):
 
     strategy, arrays = grids.fashion_setup(args.replicas, args.data_dir, args.cache_dir)
 
-    def run_all(runs):
-        grids.run_missing(
-            runs,
-            key,
-            results,
-            results_path,
-            lambda run: run_one(run, args, strategy, arrays),
-            lambda run_key, row: (
-                f"{run_key:<48} test {row['final_test_accuracy']:.4f} "
-                f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)"
-            ),
+    def train_one(run):
+        return grids.train(run, experiment_for(run, args), strategy, arrays, runs.run_dir(run))
+
+    def describe(run_key, row):
+        return (
+            f"{run_key:<48} test {row['final_test_accuracy']:.4f} "
+            f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)"
         )
 
     parts = {
@@ -608,7 +555,8 @@ def main(argv=None):
     }
     for part in PARTS + EXTRA_PARTS:
         if part in args.parts:
-            run_all(parts[part](results if part == "interval" else plain(results), args))
+            chosen = parts[part](results if part == "interval" else plain(results), args)
+            runs.run_missing(chosen, train_one, describe)
     print(report(results, args))
     return 0
 

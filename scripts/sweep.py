@@ -28,6 +28,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs", "fashion_mnist")
 OPTIMIZERS = ["momentum", "adam", "lamb", "lars"]
 
 
@@ -58,33 +59,18 @@ def _key(run):
     return f"{run['optimizer']}_b{run['batch']}_lr{run['lr_multiplier']:g}_s{run['seed']}"
 
 
-def run_one(run, args, strategy, arrays):
-    """Trains one grid point; returns its result row."""
-    import keras
+def experiment_for(run, args):
+    from tf_vrgd.experiments import grids
 
-    from tf_vrgd import config
-    from tf_vrgd.experiments import experiment_config, fashion_mnist
-
-    keras.backend.clear_session()  # fresh layer names and graph state per run
-    name = run["optimizer"]
-    path = os.path.join(ROOT, "configs", "fashion_mnist", f"{name}_b{run['batch']}.yaml")
-    experiment = fashion_mnist.Experiment(
-        config.load(path), epochs=args.epochs, seed=run["seed"], replicas=args.replicas
+    return grids.experiment(
+        CONFIGS,
+        run["optimizer"],
+        run["batch"],
+        epochs=args.epochs,
+        seed=run["seed"],
+        replicas=args.replicas,
+        lr_multiplier=run["lr_multiplier"],
     )
-    block = experiment_config.rescale_schedule(experiment.block, 1.0, run["lr_multiplier"])
-    run_dir = os.path.join(args.output, "runs", _key(run))
-    records = fashion_mnist.train_run(name, block, experiment, strategy, arrays, run_dir, verbose=0)
-    best = max(records, key=lambda r: r["test_accuracy"])
-    return {
-        **run,
-        "epochs": len(records),
-        "best_test_accuracy": best["test_accuracy"],
-        "final_test_accuracy": records[-1]["test_accuracy"],
-        "final_train_accuracy": records[-1]["train_accuracy"],
-        "generalization_gap": records[-1]["generalization_gap"],
-        "final_test_loss": records[-1]["test_loss"],
-        "seconds": sum(r["seconds"] for r in records),
-    }
 
 
 def grid(args):
@@ -163,24 +149,22 @@ def report(results):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.output, exist_ok=True)
-    results_path = os.path.join(args.output, "results.jsonl")
     from tf_vrgd.experiments import grids
 
-    results = grids.load_results(results_path, _key)
+    runs = grids.Grid(args.output, _key)
+    results = runs.results
     if args.report:
         print(report(results))
         return 0
 
     strategy, arrays = grids.fashion_setup(args.replicas, args.data_dir, args.cache_dir)
 
-    def run_all(runs):
-        grids.run_missing(
-            runs,
-            _key,
-            results,
-            results_path,
-            lambda run: run_one(run, args, strategy, arrays),
+    def run_all(chosen):
+        runs.run_missing(
+            chosen,
+            lambda run: grids.train(
+                run, experiment_for(run, args), strategy, arrays, runs.run_dir(run)
+            ),
             lambda run_key, row: (
                 f"{run_key:<32} best test acc {row['best_test_accuracy']:.4f} "
                 f"gap {row['generalization_gap']:+.4f} ({row['seconds']:.0f} s)"

@@ -271,3 +271,97 @@ def test_click_study_ids_follow_the_zipf_law():
     counts = np.sort(np.bincount(inputs["sparse_features"][:, 0], minlength=50))[::-1]
     expected = np.arange(1, 51) ** -1.2
     np.testing.assert_allclose(counts / counts.sum(), expected / expected.sum(), atol=3e-3)
+
+
+def test_grid_experiment_is_derived_from_the_config():
+    folder = os.path.join(ROOT, "configs", "fashion_mnist")
+    # Adam at batch 4096 (config: 0.008, 140 updates of 4096 = 10 epochs),
+    # 30 epochs at twice the rate: 14 updates an epoch.
+    adam = grids.experiment(folder, "adam", 4096, epochs=30, seed=1, replicas=4, lr_multiplier=2)
+    cosine = adam.block["learning_rate"]["cosine"]
+    assert cosine["initial_learning_rate"] == pytest.approx(0.016)
+    assert cosine["decay_steps"] == 30 * (60000 // 4096)
+    assert (adam.batch_size, adam.seed, adam.replicas) == (4096, 1, 4)
+    # VR-Adam with k = 4 x 2: updates of 2 steps of 2048, 29 steps an
+    # epoch; the rate stays batch 4096's, times the multiplier.
+    twin = grids.experiment(
+        folder,
+        "vr_adam",
+        4096,
+        epochs=30,
+        seed=0,
+        replicas=4,
+        lr_multiplier=0.5,
+        width=8,
+        accumulation=2,
+        optimizer_fields={"gsnr_interval": 4},
+    )
+    cosine = twin.block["learning_rate"]["cosine"]
+    assert cosine["initial_learning_rate"] == pytest.approx(0.004)
+    assert cosine["decay_steps"] == 30 * (60000 // 2048) // 2
+    assert twin.batch_size == 2048 and twin.model_width == 8
+    assert twin.block["optimizer"]["vr_adam"] == {
+        "gamma": 0.1,
+        "beta_3": 0.9,
+        "gradient_accumulation_steps": 2,
+        "gsnr_interval": 4,
+    }
+    with pytest.raises(ValueError, match="does not split"):
+        grids.experiment(folder, "vr_adam", 4096, epochs=1, seed=0, replicas=4, accumulation=3)
+
+
+def test_grid_result_row_summarises_the_records():
+    nan = float("nan")
+    records = [
+        {"test_accuracy": 0.8, "train_accuracy": 0.79, "generalization_gap": -0.01,
+         "train_loss": 0.6, "test_loss": 0.62, "seconds": 10.0, "gsnr_scale": 0.5,
+         "gsnr_at_gamma": 0.2, "gsnr_at_one": 0.1},
+        {"test_accuracy": 0.85, "train_accuracy": 0.9, "generalization_gap": 0.05,
+         "train_loss": 0.3, "test_loss": 0.4, "seconds": 12.0, "gsnr_scale": nan,
+         "gsnr_at_gamma": nan, "gsnr_at_one": nan},
+        {"test_accuracy": 0.84, "train_accuracy": 0.92, "generalization_gap": 0.08,
+         "train_loss": 0.25, "test_loss": 0.45, "seconds": 11.0, "gsnr_scale": 0.25,
+         "gsnr_at_gamma": 0.4, "gsnr_at_one": 0.0},
+    ]  # fmt: skip
+    run = {"optimizer": "vr_adam", "batch": 4096, "seed": 0}
+    row = grids.result_row(run, records)
+    assert row["optimizer"] == "vr_adam" and row["epochs"] == 3
+    assert row["best_test_accuracy"] == 0.85 and row["final_test_accuracy"] == 0.84
+    assert row["final_train_loss"] == 0.25 and row["seconds"] == 33.0
+    assert not row["diverged"]
+    # The epoch without a GSNR update (NaN) is left out of the means.
+    assert row["mean_gsnr_scale"] == pytest.approx(0.375)
+    assert row["mean_gsnr_at_gamma"] == pytest.approx(0.3)
+    records[1]["train_loss"] = nan
+    assert grids.result_row(run, records)["diverged"]
+    base = [{k: v for k, v in r.items() if not k.startswith("gsnr")} for r in records]
+    assert "mean_gsnr_scale" not in grids.result_row(run, base)
+
+
+def test_grid_keeps_rows_and_skips_what_is_done(tmp_path, capsys):
+    grid = grids.Grid(str(tmp_path / "out"), lambda run: f"r{run['i']}")
+    trained = []
+
+    def train_one(run):
+        trained.append(run["i"])
+        return {**run, "score": run["i"] * 10}
+
+    grid.run_missing([{"i": 1}, {"i": 2}], train_one, lambda key, row: f"{key} {row['score']}")
+    again = grids.Grid(str(tmp_path / "out"), lambda run: f"r{run['i']}")
+    again.run_missing([{"i": 2}, {"i": 3}], train_one, lambda key, row: f"{key} {row['score']}")
+    assert trained == [1, 2, 3]
+    assert sorted(again.results) == ["r1", "r2", "r3"] and again.results["r3"]["score"] == 30
+    assert capsys.readouterr().out.split("\n")[:3] == ["r1 10", "r2 20", "r3 30"]
+    assert again.run_dir({"i": 3}) == str(tmp_path / "out" / "runs" / "r3")
+
+
+def test_bench_versions_imports_a_commit_beside_this_checkout(tmp_path):
+    import tf_vrgd
+
+    versions = _script("bench_versions")
+    old = versions.import_at("HEAD", str(tmp_path))
+    assert old.__name__ == "tf_vrgd_at_commit" and old.VRAdam is not tf_vrgd.VRAdam
+    assert os.path.dirname(old.__file__) == str(tmp_path / "tf_vrgd_at_commit")
+    # Its modules import each other, not this checkout's.
+    assert old.vr_adam.GSNRMixin.__module__ == "tf_vrgd_at_commit._gsnr"
+    assert old.VRAdam(1e-3).get_config()["gamma"] == tf_vrgd.VRAdam(1e-3).get_config()["gamma"]

@@ -35,10 +35,20 @@ class Experiment:
         seed: Seed of the initial weights and the data order.
         replicas: MirroredStrategy replicas.
         train_examples: Train on the first N training examples only.
+        lr_multiplier: Every learning rate of the schedule times this, after
+            the square-root scaling (a grid's rate multiplier).
     """
 
     def __init__(
-        self, cfg, *, batch_size=None, epochs=None, seed=None, replicas=None, train_examples=None
+        self,
+        cfg,
+        *,
+        batch_size=None,
+        epochs=None,
+        seed=None,
+        replicas=None,
+        train_examples=None,
+        lr_multiplier=1.0,
     ):
         from tf_vrgd import config
         from tf_vrgd.experiments import fields
@@ -84,6 +94,8 @@ class Experiment:
         lr_factor = math.sqrt(self.batch_size / config_batch)
         self.rescaled = abs(step_factor - 1) > 1e-9 or abs(lr_factor - 1) > 1e-9
         self.block = rescale_schedule(block, step_factor, lr_factor) if self.rescaled else block
+        if lr_multiplier != 1.0:
+            self.block = rescale_schedule(self.block, 1.0, lr_multiplier)
         # The schedule's fields, checked before any device is set up.
         config.learning_rate_from_config(self.block)
         self.note = (
@@ -92,6 +104,8 @@ class Experiment:
             if self.rescaled
             else ""
         )
+        if lr_multiplier != 1.0:
+            self.note = "; ".join(filter(None, [self.note, f"learning rates x {lr_multiplier:g}"]))
 
     @classmethod
     def from_args(cls, cfg, args):

@@ -1,4 +1,5 @@
-"""The Fashion-MNIST runs' summary table and plots."""
+"""The Fashion-MNIST runs' summary table and plots, and the figure helpers
+the experiment scripts share."""
 
 import os
 
@@ -70,15 +71,10 @@ def plot(runs, output):
                     style,
                     label=f"{name} {split}",
                 )
-        ax.set_xlabel("epoch")
         ax.set_ylabel(metric)
         ax.legend()
-        ax.grid(alpha=0.3)
-        path = os.path.join(output, f"{metric}.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        label_axes([ax], "epoch")
+        paths.append(save_figure(fig, os.path.join(output, f"{metric}.png")))
     for name, records in runs.items():
         keys = sorted({k for r in records for k in r if k.startswith("gsnr_mean/")})
         if not keys:
@@ -94,14 +90,25 @@ def plot(runs, output):
         axes[0].set_ylabel("mean raw GSNR")
         axes[1].set_ylabel("fraction clipped to gamma")
         axes[2].set_ylabel("mean applied scale (effective rate multiplier)")
-        for ax in axes:
-            ax.set_xlabel("epoch")
-            ax.grid(alpha=0.3)
+        label_axes(axes, "epoch")
         axes[2].legend(fontsize=7)
         fig.suptitle(f"GSNR per layer: {name}")
-        fig.tight_layout()
-        path = os.path.join(output, f"gsnr_{name}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, os.path.join(output, f"gsnr_{name}.png")))
     return paths
+
+
+def label_axes(axes, xlabel):
+    """Each of `axes` with `xlabel` on x and a light grid."""
+    for ax in axes:
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+
+
+def save_figure(fig, path, dpi=100):
+    """Lays out `fig`, writes it to `path` and closes it; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
