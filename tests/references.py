@@ -32,6 +32,13 @@ def assert_close(actual, expected, name, rtol=2e-5):
     assert error <= rtol, f"{name}: relative error {error:.3e} > {rtol:.1e}"
 
 
+def assert_all_close(actual, expected, name, rtol=2e-5):
+    """`assert_close` on each pair of two equally long lists of arrays."""
+    assert len(actual) == len(expected), (name, len(actual), len(expected))
+    for a, e in zip(actual, expected):
+        assert_close(a, e, name, rtol)
+
+
 def norm(x):
     return np.sqrt(np.sum(np.square(x, dtype=np.float64)))
 

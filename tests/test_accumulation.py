@@ -50,8 +50,7 @@ def test_accumulation_matches_reference_on_four_replicas(strategy, case):
     stream = helpers.gradient_stream(_shapes(), UPDATES * STEPS, replicas=4, seed=21)
     initial, got, optimizer = helpers.run_mirrored(strategy, make, stream)
     expected = ref.run(initial, rule, _mean_per_update(stream, STEPS))
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, f"{case} (4 replicas x {STEPS} micro-steps)", rtol=1e-4)
+    ref.assert_all_close(got, expected, f"{case} (4 replicas x {STEPS} micro-steps)", rtol=1e-4)
     assert int(optimizer.iterations.numpy()) == UPDATES
 
 

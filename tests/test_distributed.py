@@ -34,8 +34,7 @@ def test_lars_under_mirrored_strategy_uses_reduced_gradient(strategy):
     expected = reference_lars(
         initial, helpers.mean_over_replicas(stream), 0.5, decays=decays, adapts=decays, **hyper
     )
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LARS (4 replicas)")
+    ref.assert_all_close(got, expected, "LARS (4 replicas)")
     assert int(optimizer.iterations.numpy()) == STEPS
 
 
@@ -49,8 +48,7 @@ def test_larc_under_mirrored_strategy_uses_reduced_gradient(strategy, clip):
     expected = reference_larc_sgd(
         initial, helpers.mean_over_replicas(stream), 0.1, momentum=0.9, **larc
     )
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LARC(SGD) (4 replicas)")
+    ref.assert_all_close(got, expected, "LARC(SGD) (4 replicas)")
     assert int(optimizer.iterations.numpy()) == STEPS
 
 

@@ -41,8 +41,7 @@ def test_interval_matches_reference_on_four_replicas(strategy, case, path):
         strategy, lambda: CASES[case].make(gsnr_interval=INTERVAL), stream
     )
     expected = _reference(case, initial, helpers.samples_per_update(stream, 1))
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, f"{case} gsnr_interval=3 (4 replicas)", rtol=1e-4)
+    ref.assert_all_close(got, expected, f"{case} gsnr_interval=3 (4 replicas)", rtol=1e-4)
     # Not the rule measured at every update: the interval changes the result.
     every = _reference(case, initial, helpers.samples_per_update(stream, 1), interval=1)
     assert max(ref.relative_error(g, e) for g, e in zip(got, every)) > 1e-3
@@ -59,8 +58,7 @@ def test_interval_with_accumulation_on_four_replicas(strategy, case):
         stream,
     )
     expected = _reference(case, initial, helpers.samples_per_update(stream, steps))
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, f"{case} gsnr_interval=3 (4 replicas x 2)", rtol=1e-4)
+    ref.assert_all_close(got, expected, f"{case} gsnr_interval=3 (4 replicas x 2)", rtol=1e-4)
     # Squares are summed in GSNR updates only: after the last update (8, not
     # a GSNR update) every accumulator is back at zero.
     for slot in optimizer._accumulated_squares:

@@ -56,8 +56,7 @@ def test_lamb_matches_reference(kwargs, decays, adapts):
     expected = _reference(
         initial, stream, decays, adapts, weight_decay_rate=kwargs["weight_decay_rate"]
     )
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LAMB")
+    ref.assert_all_close(got, expected, "LAMB")
 
 
 def test_lamb_without_decay_is_keras_lamb():

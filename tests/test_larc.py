@@ -57,8 +57,7 @@ def test_larc_sgd_matches_reference(larc, sgd, compiled):
     optimizer = tf_vrgd.LARC(keras.optimizers.SGD(LR, **sgd), **larc)
     initial, got = _run(optimizer, stream, compiled)
     expected = reference_larc_sgd(initial, stream, LR, **sgd, **larc)
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LARC(SGD)")
+    ref.assert_all_close(got, expected, "LARC(SGD)")
 
 
 def test_clip_is_active_on_some_variables_and_inactive_on_others():
@@ -74,8 +73,7 @@ def test_larc_adam_matches_reference():
     optimizer = tf_vrgd.LARC(keras.optimizers.Adam(LR), trust_coefficient=0.01)
     initial, got = _run(optimizer, stream)
     expected = reference_larc_adam(initial, stream, LR, trust_coefficient=0.01)
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LARC(Adam)")
+    ref.assert_all_close(got, expected, "LARC(Adam)")
 
 
 def test_larc_uses_the_inner_learning_rate_schedule():

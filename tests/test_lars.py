@@ -46,8 +46,7 @@ def test_lars_matches_reference(hyper, compiled):
     stream32 = [[[g.astype(np.float32) for g in step]] for step in stream]
     initial, got = run_lars(stream32, compiled, learning_rate=0.5, **hyper)
     expected = reference_lars(initial, stream, 0.5, **hyper)
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LARS")
+    ref.assert_all_close(got, expected, "LARS")
 
 
 def test_lars_exclusions_regex_and_keras_forms():
@@ -61,8 +60,7 @@ def test_lars_exclusions_regex_and_keras_forms():
     expected = reference_lars(
         initial, [s[0] for s in stream], 0.5, decays=decays, adapts=decays, weight_decay_rate=0.05
     )
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LARS exclusions")
+    ref.assert_all_close(got, expected, "LARS exclusions")
 
     # Separate adaptation list: .../head/* keeps decay but has trust 1.
     initial, got = run_lars(
@@ -80,8 +78,7 @@ def test_lars_exclusions_regex_and_keras_forms():
         adapts=[True, True, False, False],
         weight_decay_rate=0.05,
     )
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LARS exclusions")
+    ref.assert_all_close(got, expected, "LARS exclusions")
 
     # Keras form, by variables and by names; names are then saved.
     def configure(optimizer, model):
@@ -97,8 +94,7 @@ def test_lars_exclusions_regex_and_keras_forms():
         adapts=[True, True, True, False],
         weight_decay_rate=0.05,
     )
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LARS exclusions")
+    ref.assert_all_close(got, expected, "LARS exclusions")
 
 
 def test_exclusion_lists_are_saved_and_keras_names_join_them():

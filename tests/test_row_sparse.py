@@ -145,13 +145,20 @@ def reference(case, initial, samples, **extra):
     return weights
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_rows_match_the_reference_where_most_rows_are_not_touched(strategy, name):
+def _check_five_updates(strategy, name, replicas, seed):
+    """Five updates of 5 rows per replica, against the reference; returns
+    the stream, the initial weights and the weights after."""
     case = CASES[name]
-    stream = row_stream(steps=5, replicas=4, rows_per_replica=5, seed=1)
+    stream = row_stream(steps=5, replicas=replicas, rows_per_replica=5, seed=seed)
     initial, got, _ = run(strategy, case.make, stream)
     expected = reference(case, initial, dense_samples(stream))
-    assert_matches(got, expected, f"{name} row-sparse {{what}} (4 replicas)")
+    assert_matches(got, expected, f"{name} row-sparse {{what}} ({replicas} replicas)")
+    return stream, initial, got
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_rows_match_the_reference_where_most_rows_are_not_touched(strategy, name):
+    stream, initial, got = _check_five_updates(strategy, name, replicas=4, seed=1)
     # Rows no update touched are as they were, but under decay.
     untouched = sorted(set(range(ROWS)) - {int(i) for s in stream for r in s for i in r[0]})
     assert untouched
@@ -203,11 +210,7 @@ def test_rows_with_accumulation_match_the_reference(strategy, name):
 
 @pytest.mark.parametrize("name", ["VR-SGD", "VR-Adam"])
 def test_rows_on_two_replicas_match_the_reference(strategy_2, name):
-    case = CASES[name]
-    stream = row_stream(steps=5, replicas=2, rows_per_replica=5, seed=6)
-    initial, got, _ = run(strategy_2, case.make, stream)
-    expected = reference(case, initial, dense_samples(stream))
-    assert_matches(got, expected, f"{name} row-sparse {{what}} (2 replicas)")
+    _check_five_updates(strategy_2, name, replicas=2, seed=6)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])

@@ -147,6 +147,12 @@ def _command(fashion, output, epochs, compare=False):
     ] + (["--compare"] if compare else [])
 
 
+def _run_to_end(command):
+    return subprocess.run(
+        command, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
 def _env():
     return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
 
@@ -165,14 +171,7 @@ def _final_weights(run_dir):
 def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
     epochs = 2
     straight = tmp_path / "straight"
-    done = subprocess.run(
-        _command(fashion, straight, epochs),
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _run_to_end(_command(fashion, straight, epochs))
     assert done.returncode == 0, done.stderr[-3000:]
 
     # VR-LAMB (the config), killed once its first epoch is checkpointed.
@@ -193,14 +192,7 @@ def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
     assert first.exists() and not (interrupted / "vr_lamb" / "final.weights.h5").exists()
 
     # The same command resumes it, then trains the twin (LAMB) and reports both.
-    resumed = subprocess.run(
-        _command(fashion, interrupted, epochs, compare=True),
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    resumed = _run_to_end(_command(fashion, interrupted, epochs, compare=True))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after epoch" in resumed.stdout
     expected, got = _final_weights(straight / "vr_lamb"), _final_weights(interrupted / "vr_lamb")

@@ -101,8 +101,7 @@ def test_vr_matches_reference_on_four_replicas(strategy, case, path):
     stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=11)
     initial, got, optimizer = helpers.run_mirrored(strategy, lambda: _make(case), stream)
     expected = _reference(case, initial, helpers.samples_per_update(stream, 1))
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, f"{case} (4 replicas)", rtol=1e-4)
+    ref.assert_all_close(got, expected, f"{case} (4 replicas)", rtol=1e-4)
     assert int(optimizer.iterations.numpy()) == UPDATES
 
 
@@ -114,8 +113,7 @@ def test_vr_matches_reference_with_accumulation_on_four_replicas(strategy, case)
         strategy, lambda: _make(case, gradient_accumulation_steps=steps), stream
     )
     expected = _reference(case, initial, helpers.samples_per_update(stream, steps))
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, f"{case} (4 replicas x 2 micro-steps)", rtol=1e-4)
+    ref.assert_all_close(got, expected, f"{case} (4 replicas x 2 micro-steps)", rtol=1e-4)
     assert int(optimizer.iterations.numpy()) == UPDATES
 
 
@@ -323,5 +321,4 @@ def test_larc_wraps_a_vr_optimizer(strategy):
     reference = ref.VRReference(initial, ref.larc(ref.sgd(0.5, 0.9), 0.5), 0.1, 0.0)
     for samples in helpers.samples_per_update(stream, 1):
         expected = reference.update(samples)
-    for g, e in zip(got, expected):
-        ref.assert_close(g, e, "LARC(VR-Momentum) (4 replicas)", rtol=1e-4)
+    ref.assert_all_close(got, expected, "LARC(VR-Momentum) (4 replicas)", rtol=1e-4)

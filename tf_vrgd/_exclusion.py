@@ -25,11 +25,20 @@ from tf_vrgd import _validation
 class LayerwiseExclusionMixin:
     """Mixin for optimizers with Model Garden exclusion lists.
 
-    The host class must call `_init_exclusions` in `__init__`, and
-    `_build_exclusions(variables)` in `build` after `super().build`.
+    The host class must call `_init_exclusions` in `__init__`; `build`
+    decides each variable's exclusions once Keras has built the optimizer.
     """
 
-    def _init_exclusions(self, exclude_from_weight_decay, exclude_from_layer_adaptation):
+    def _init_exclusions(
+        self, exclude_from_weight_decay, exclude_from_layer_adaptation, weight_decay_rate=None
+    ):
+        """Checks and keeps the exclusion lists, and the coupled
+        `weight_decay_rate` that the layer-wise optimizers take (None: the
+        host has none)."""
+        if weight_decay_rate is not None:
+            self.weight_decay_rate = _validation.check_number(
+                "weight_decay_rate", weight_decay_rate, low=0.0
+            )
         self._weight_decay_patterns = _validation.check_regex_list(
             "exclude_from_weight_decay", exclude_from_weight_decay
         )
@@ -99,12 +108,18 @@ class LayerwiseExclusionMixin:
             return self._use_weight_decay(variable)
         return not self._matches(patterns, variable)
 
-    def _build_exclusions(self, variables):
-        self._decays = [self._use_weight_decay(v) for v in variables]
-        self._adapts = [self._use_layer_adaptation(v) for v in variables]
+    def build(self, var_list):
+        super().build(var_list)
+        self._decays = [self._use_weight_decay(v) for v in var_list]
+        self._adapts = [self._use_layer_adaptation(v) for v in var_list]
 
     def _exclusion_config(self):
         return {
+            **(
+                {"weight_decay_rate": self.weight_decay_rate}
+                if hasattr(self, "weight_decay_rate")
+                else {}
+            ),
             "exclude_from_weight_decay": self._weight_decay_patterns,
             "exclude_from_layer_adaptation": self._layer_adaptation_patterns,
         }

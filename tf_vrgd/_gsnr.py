@@ -806,7 +806,7 @@ class GSNRMixin:
                     sums = gradient.values
                     gradient_mean = sums if samples is None else sums / samples
                     if momentum_slot is not None:
-                        counts = _row_broadcast(tf.gather(count_slot, rows), sums)
+                        counts = functional.row_broadcast(tf.gather(count_slot, rows), sums)
                         correction = functional.gsnr_momentum_correction(self.beta_3, counts)
                         # A row never measured takes the base rule (1).
                         applied = tf.where(
@@ -964,11 +964,6 @@ def find_vr_optimizer(optimizer: keras.optimizers.Optimizer | None) -> GSNRMixin
 def _rows(variable):
     """The shape of a per-row slot of `variable`, None for a scalar."""
     return (variable.shape[0],) if len(variable.shape) else None
-
-
-def _row_broadcast(per_row, like):
-    """`per_row` ([rows]) reshaped to broadcast against `like` ([rows, ...])."""
-    return tf.reshape(per_row, [-1] + [1] * (like.shape.rank - 1))
 
 
 def _at_least_one_row(slices):

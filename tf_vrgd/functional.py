@@ -452,8 +452,7 @@ def gsnr_scale(
     if previous_row_updates is not None:
         sampled = tf.reduce_any(measured, axis=list(range(1, measured.shape.rank)))
         row_updates = previous_row_updates + tf.cast(sampled, tf.float32)
-        per_row = tf.reshape(row_updates, [-1] + [1] * (scale.shape.rank - 1))
-        correction = gsnr_momentum_correction(beta_3, per_row)
+        correction = gsnr_momentum_correction(beta_3, row_broadcast(row_updates, scale))
     if previous_momentum is not None:
         momentum, applied = corrected_gsnr_momentum(
             previous_momentum, scale, beta_3, correction, measured
@@ -465,6 +464,11 @@ def gsnr_scale(
             layer_means, scale, applied, segments[0], counts, gamma, measured
         )
     return GSNRScale(applied, scale, momentum, row_updates, rows)
+
+
+def row_broadcast(per_row: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """`per_row` ([rows]) reshaped to broadcast against `like` ([rows, ...])."""
+    return tf.reshape(per_row, [-1] + [1] * (like.shape.rank - 1))
 
 
 def sum_duplicate_rows(gradient: tf.IndexedSlices) -> tf.IndexedSlices:

@@ -56,16 +56,14 @@ class LAMB(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
         self.beta_1 = _validation.check_number("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
         self.beta_2 = _validation.check_number("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
         self.epsilon = _validation.check_number("epsilon", epsilon, low=0.0)
-        self.weight_decay_rate = _validation.check_number(
-            "weight_decay_rate", weight_decay_rate, low=0.0
+        self._init_exclusions(
+            exclude_from_weight_decay, exclude_from_layer_adaptation, weight_decay_rate
         )
-        self._init_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
 
     def build(self, var_list):
         if self.built:
             return
         super().build(var_list)
-        self._build_exclusions(var_list)
         self._momentums, self._velocities = self.add_optimizer_variables(
             var_list, ["momentum", "velocity"]
         )
@@ -100,6 +98,5 @@ class LAMB(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
             "beta_1": self.beta_1,
             "beta_2": self.beta_2,
             "epsilon": self.epsilon,
-            "weight_decay_rate": self.weight_decay_rate,
             **self._exclusion_config(),
         }

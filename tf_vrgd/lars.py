@@ -81,16 +81,14 @@ class LARS(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
         self.trust_coefficient = _validation.check_number(
             "trust_coefficient", trust_coefficient, low=0.0, low_open=True
         )
-        self.weight_decay_rate = _validation.check_number(
-            "weight_decay_rate", weight_decay_rate, low=0.0
+        self._init_exclusions(
+            exclude_from_weight_decay, exclude_from_layer_adaptation, weight_decay_rate
         )
-        self._init_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
 
     def build(self, var_list):
         if self.built:
             return
         super().build(var_list)
-        self._build_exclusions(var_list)
         self._velocities = (
             self.add_optimizer_variables(var_list, "velocity")
             if self.momentum
@@ -131,7 +129,6 @@ class LARS(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
                 "momentum": self.momentum,
                 "nesterov": self.nesterov,
                 "trust_coefficient": self.trust_coefficient,
-                "weight_decay_rate": self.weight_decay_rate,
                 **self._exclusion_config(),
             }
         )
