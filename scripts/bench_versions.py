@@ -13,7 +13,6 @@ repetition, and prints the medians and the ratio new / old.
 """
 
 import argparse
-import functools
 import os
 import re
 import subprocess
@@ -24,12 +23,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Pair -> (Keras base optimizer, VR class name), at the bench's rates.
-PAIRS = {
-    "Momentum": (("SGD", {"learning_rate": 0.01, "momentum": 0.9}), "VRSGD"),
-    "Adam": (("Adam", {"learning_rate": 1e-3}), "VRAdam"),
-    "LAMB": (("Lamb", {"learning_rate": 1e-3}), "VRLAMB"),
-}
+PAIRS = ("Momentum", "Adam", "LAMB", "LARS")  # benchmark.pairs() with a VR twin
 
 
 def parse_args(argv=None):
@@ -77,12 +71,10 @@ def main(argv=None):
         tf.config.set_logical_device_configuration(
             cpus[0], [tf.config.LogicalDeviceConfiguration()] * args.replicas
         )
-    import keras
     import numpy as np
 
     import tf_vrgd
-    from tf_vrgd.experiments import bench_models, timing
-    from tf_vrgd.experiments.benchmark import warm_up_runtime
+    from tf_vrgd.experiments import bench_models, benchmark, timing
 
     with tempfile.TemporaryDirectory() as folder:
         old = import_at(args.commit, folder)
@@ -90,7 +82,7 @@ def main(argv=None):
             f"/cpu:{i}" for i in range(args.replicas)
         ]
         strategy = tf.distribute.MirroredStrategy(devices)
-        warm_up_runtime(strategy, {})
+        benchmark.warm_up_runtime(strategy, {})
         factories = {"encoder": bench_models.encoder, "resnet50": bench_models.resnet50}
         rng = np.random.default_rng(0)
         for model_name in args.models:
@@ -98,17 +90,12 @@ def main(argv=None):
                 model_name, args.batch_per_replica * strategy.num_replicas_in_sync, rng
             )
             for pair in args.pairs:
-                (base_name, base_args), twin = PAIRS[pair]
+                base, _, _ = benchmark.pairs()[pair]
+                _, old_twin, _ = benchmark.pairs(old)[pair]
+                _, new_twin, _ = benchmark.pairs(tf_vrgd)[pair]
                 candidates = [
                     timing.Candidate(name, make, factories[model_name], strategy, batch)
-                    for name, make in (
-                        (
-                            "base",
-                            functools.partial(getattr(keras.optimizers, base_name), **base_args),
-                        ),
-                        ("old", functools.partial(getattr(old, twin), **base_args)),
-                        ("new", functools.partial(getattr(tf_vrgd, twin), **base_args)),
-                    )
+                    for name, make in (("base", base), ("old", old_twin), ("new", new_twin))
                 ]
                 s = timing.compare(candidates, "update", args.steps, args.repeats, warmup=3)
                 print(

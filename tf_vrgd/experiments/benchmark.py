@@ -59,9 +59,12 @@ VR_EXTRA_BYTES = {"sum of squares": 4, "gsnr momentum": 8}
 ACCUMULATION_BYTES = {"base": 12, "vr": 20}
 
 
-def pairs():
-    """name -> (base factory, VR-or-wrapper factory, base bytes/param key)."""
-    import tf_vrgd
+def pairs(tf_vrgd=None):
+    """name -> (base factory, VR-or-wrapper factory, base bytes/param key).
+    `tf_vrgd`: the package whose twins to make (another version of it, for
+    `scripts/bench_versions.py`); this one by default."""
+    if tf_vrgd is None:
+        import tf_vrgd
 
     return {
         "Momentum": (
