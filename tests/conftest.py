@@ -63,6 +63,23 @@ def strategy():
     return tf.distribute.MirroredStrategy(devices)
 
 
+def pytest_sessionfinish(session):
+    # Under pytest-xdist each worker measures its own tests: it hands its
+    # worst errors to the controller, which prints the summary.
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["worst_relative_errors"] = dict(references.WORST_RELATIVE_ERRORS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist, on the controller: a worker has finished."""
+    worker_errors = getattr(node, "workeroutput", {}).get("worst_relative_errors", {})
+    for name, value in worker_errors.items():
+        worst = references.WORST_RELATIVE_ERRORS
+        worst[name] = max(worst.get(name, 0.0), value)
+
+
 def pytest_terminal_summary(terminalreporter):
     errors = references.WORST_RELATIVE_ERRORS
     if not errors:

@@ -408,14 +408,16 @@ def test_task_trains_from_files_with_its_twin_and_resumes(kind, tmp_path):
         assert any(k.startswith("validation_") for k in records[-1])
     assert any(k.startswith("gsnr_scale/") for k in _records(output / vr)[-1])
 
-    # Resume: drop the last checkpoint of the twin and rerun the command;
-    # the optimizer state and the input order come back, so the weights
-    # are the uninterrupted run's.
+    # Resume: drop the last checkpoint of the twin (DLRM's: cut it short, so
+    # that the rerun must name it and skip it) and rerun the command; the
+    # optimizer state and the input order come back, so the weights are the
+    # uninterrupted run's.
     _check_resume(
         output / vr,
         lambda: _train(config, output, overrides, "--train-steps", "6", "--compare"),
         [3, 6],
         rtol=1e-4,
+        truncate=kind == "dlrm",
     )
 
 
@@ -432,45 +434,23 @@ def test_unreadable_checkpoints_are_named_and_left_out(tmp_path, capsys):
     assert run_folder.resumable_checkpoints(str(tmp_path / "none"), "run") == {}
 
 
-@pytest.mark.parametrize("damage", ["truncated"])
-def test_an_unreadable_newest_checkpoint_is_named_and_skipped(damage, tmp_path):
-    """A rerun whose newest checkpoint is cut short names the file and
-    resumes from the intact one before it (max_to_keep = 2 keeps it), to
-    the uninterrupted run's weights."""
-    config, overrides, data = TASK_RUNS["dlrm"]
-    path = str(tmp_path / data)
-    _write("dlrm", path)
-    overrides = {
-        **overrides,
-        "task.train_data.input_path": path,
-        "trainer.checkpoint_interval": 2,
-        "trainer.max_to_keep": 2,
-    }
-    output = tmp_path / "run"
-    run = lambda: _train(config, output, overrides, "--train-steps", "6")
-    run()
-    run_dir = output / "vr_sgd"
+def _check_resume(run_dir, rerun, updates, rtol, truncate=False):
+    """Removes the run's last checkpoint (after 2 intervals), or with
+    `truncate` cuts it to half its bytes, reruns its command (`rerun()`
+    returns the output) and checks it resumed after interval 1 (naming a
+    truncated checkpoint as unreadable) to the uninterrupted run's records
+    and final weights."""
     uninterrupted = _weights(run_dir / "final.weights.h5")
-    newest = run_dir / "checkpoint-epoch3.keras"
-    content = newest.read_bytes()
-    newest.write_bytes(b"" if damage == "empty" else content[: len(content) // 2])
-    text = run()
-    assert f"{newest} is unreadable" in text
-    assert "[vr_sgd] resuming after interval 2" in text
-    assert [r["updates"] for r in _records(run_dir)] == [2, 4, 6]
-    resumed = _weights(run_dir / "final.weights.h5")
-    for key in uninterrupted:
-        np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-7)
-
-
-def _check_resume(run_dir, rerun, updates, rtol):
-    """Removes the run's last checkpoint (after 2 intervals), reruns its
-    command (`rerun()` returns the output) and checks it resumed after
-    interval 1 to the uninterrupted run's records and final weights."""
-    uninterrupted = _weights(run_dir / "final.weights.h5")
-    os.remove(run_dir / "checkpoint-epoch2.keras")
+    newest = run_dir / "checkpoint-epoch2.keras"
+    if truncate:
+        content = newest.read_bytes()
+        newest.write_bytes(content[: len(content) // 2])
+    else:
+        os.remove(newest)
     first = _records(run_dir)[0]
-    assert f"[{run_dir.name}] resuming after interval 1" in rerun()
+    text = rerun()
+    assert f"[{run_dir.name}] resuming after interval 1" in text
+    assert (f"{newest} is unreadable" in text) == truncate
     records = _records(run_dir)
     assert [r["updates"] for r in records] == updates
     assert records[0] == first
