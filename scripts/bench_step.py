@@ -100,10 +100,16 @@ def parse_args(argv=None):
     )
     parser.add_argument("--json", default=None, help="also write the measured rows to this file")
     parser.add_argument(
+        "--own-base",
+        action="store_true",
+        help="also time this package's own base rule where the base is Keras' "
+        "(tf_vrgd.LAMB beside keras.optimizers.Lamb)",
+    )
+    parser.add_argument(
         "--no-xla",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="time each VR twin without XLA too (--no-no-xla skips it)",
+        help="time each VR twin (each N) without XLA too (--no-no-xla skips it)",
     )
     return parser.parse_args(argv)
 

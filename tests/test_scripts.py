@@ -184,6 +184,29 @@ def test_bench_step_times_each_gsnr_interval():
     assert benchmark.collective_bytes(tf_vrgd.VRAdam(gsnr_interval=4), 1000) == 5000
 
 
+def test_bench_step_times_the_own_base_rule_and_each_interval_without_xla():
+    from tf_vrgd.experiments import benchmark
+
+    settings = benchmark.Settings(
+        setups=["accumulation"],
+        models=["mlp"],
+        mlp_parameters=20_000,
+        pairs=["LAMB"],
+        kinds=["update"],
+        steps=1,
+        repeats=1,
+        batch=8,
+        gsnr_intervals=[1, 4],
+        own_base=True,
+    )
+    (row,) = benchmark.measure(settings, report=lambda row: None)
+    names = {"base", "own base", "vr", "vr no-xla", "vr N=4", "vr N=4 no-xla"}
+    assert set(row["seconds"]) == names
+    assert all(seconds > 0 for seconds in row["seconds"].values())
+    line = benchmark.format_row(row)
+    assert "own-base/base" in line and "vr N=4 no-xla/base" in line
+
+
 def test_study_pairs_twin_and_base_by_seed():
     study = _script("study")
     twin = {0: 0.86, 1: 0.84, 2: 0.87, 3: 0.85}

@@ -130,6 +130,31 @@ def larc_gradient(
     return tf.where(active, decayed * factor, gradient)
 
 
+def layerwise_update(
+    update: tf.Tensor,
+    weight: tf.Tensor,
+    weight_decay_rate: float,
+    trust_coefficient: float,
+    adapt: bool,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """The layer-wise block LARS and LAMB share, as ``(u, ratio)``: the
+    direction is ``ratio * u``.
+
+    ``u = update + weight_decay_rate * w``, ``ratio = trust_ratio(||w||,
+    ||u||, trust_coefficient)`` when `adapt`, else 1 (optax's
+    ``add_decayed_weights`` then ``scale_by_trust_ratio``). LARS passes the
+    gradient and its `eta`, LAMB the Adam direction and 1.
+    `weight_decay_rate` and `adapt` are Python values, decided per variable
+    from the exclusion lists at trace time. The ratio is returned apart so
+    that a caller multiplies it into its other scalars (the learning rate)
+    before it touches the tensor: one pass over `u` instead of two.
+    """
+    u = update + weight_decay_rate * weight if weight_decay_rate else update
+    if not adapt:
+        return u, tf.constant(1.0, tf.float32)
+    return u, trust_ratio(l2_norm(weight), l2_norm(u), trust_coefficient)
+
+
 def layerwise_direction(
     update: tf.Tensor,
     weight: tf.Tensor,
@@ -137,19 +162,9 @@ def layerwise_direction(
     trust_coefficient: float,
     adapt: bool,
 ) -> tf.Tensor:
-    """The layer-wise block LARS and LAMB share: decay, then trust ratio.
-
-    ``u = update + weight_decay_rate * w``; returns ``trust * u`` with
-    ``trust = trust_ratio(||w||, ||u||, trust_coefficient)`` when `adapt`,
-    else ``u`` (optax's ``add_decayed_weights`` then
-    ``scale_by_trust_ratio``). LARS passes the gradient and its `eta`, LAMB
-    the Adam direction and 1. `weight_decay_rate` and `adapt` are Python
-    values, decided per variable from the exclusion lists at trace time.
-    """
-    u = update + weight_decay_rate * weight if weight_decay_rate else update
-    if not adapt:
-        return u
-    return trust_ratio(l2_norm(weight), l2_norm(u), trust_coefficient) * u
+    """``ratio * u`` of `layerwise_update`."""
+    u, ratio = layerwise_update(update, weight, weight_decay_rate, trust_coefficient, adapt)
+    return ratio * u
 
 
 def momentum_step(
@@ -498,7 +513,20 @@ def adam_direction(
     """
     new_m = beta_1 * m + (1.0 - beta_1) * gradient
     new_v = beta_2 * v + (1.0 - beta_2) * tf.square(gradient)
+    return new_m, new_v, bias_corrected_direction(new_m, new_v, beta_1, beta_2, epsilon, step)
+
+
+def bias_corrected_direction(
+    m: tf.Tensor, v: tf.Tensor, beta_1: float, beta_2: float, epsilon: float, step: Scalar
+) -> tf.Tensor:
+    """``mhat / (sqrt(vhat) + epsilon)`` from the moments after `step`
+    updates, ``mhat = m / (1 - beta_1^step)``, ``vhat = v / (1 - beta_2^step)``.
+
+    Computed as ``m * (sqrt(c2) / c1) / (sqrt(v) + epsilon * sqrt(c2))``
+    with ``c1 = 1 - beta_1^step``, ``c2 = 1 - beta_2^step``: the same value,
+    with the corrections on scalars rather than on two whole tensors.
+    """
     step = tf.cast(step, tf.float32)
-    m_hat = new_m / (1.0 - tf.pow(beta_1, step))
-    v_hat = new_v / (1.0 - tf.pow(beta_2, step))
-    return new_m, new_v, m_hat / (tf.sqrt(v_hat) + epsilon)
+    c1 = 1.0 - tf.pow(tf.constant(beta_1, tf.float32), step)
+    root_c2 = tf.sqrt(1.0 - tf.pow(tf.constant(beta_2, tf.float32), step))
+    return (m * (root_c2 / c1)) / (tf.sqrt(v) + epsilon * root_c2)

@@ -71,26 +71,33 @@ class LAMB(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
     def update_step(self, gradient, variable, learning_rate):
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
-        weight = tf.cast(variable, tf.float32)
-        new_m, new_v, direction = functional.adam_direction(
+        gradient = functional.as_float32(gradient)
+        # The moments in place, in the form of Keras' Lamb (m + (1 - b1)(g - m)
+        # is b1 m + (1 - b1) g): no new moment tensor beside each slot.
+        self.assign_add(
+            m, tf.cast((gradient - tf.cast(m, tf.float32)) * (1.0 - self.beta_1), m.dtype)
+        )
+        self.assign_add(
+            v,
+            tf.cast((tf.square(gradient) - tf.cast(v, tf.float32)) * (1.0 - self.beta_2), v.dtype),
+        )
+        direction = functional.bias_corrected_direction(
             tf.cast(m, tf.float32),
             tf.cast(v, tf.float32),
-            functional.as_float32(gradient),
             self.beta_1,
             self.beta_2,
             self.epsilon,
-            tf.cast(self.iterations + 1, tf.float32),
+            self.iterations + 1,
         )
-        self.assign(m, new_m)
-        self.assign(v, new_v)
-        direction = functional.layerwise_direction(
+        u, ratio = functional.layerwise_update(
             direction,
-            weight,
+            tf.cast(variable, tf.float32),
             self.weight_decay_rate if self._decays[index] else 0.0,
             1.0,
             adapt=self._adapts[index],
         )
-        self.assign_sub(variable, tf.cast(learning_rate, tf.float32) * direction)
+        step = (tf.cast(learning_rate, tf.float32) * ratio) * u
+        self.assign_sub(variable, tf.cast(step, variable.dtype))
 
     def get_config(self):
         return {

@@ -101,14 +101,15 @@ class LARS(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
         weight = tf.cast(variable, tf.float32)
         learning_rate = tf.cast(learning_rate, tf.float32)
 
-        direction = functional.layerwise_direction(
+        u, ratio = functional.layerwise_update(
             gradient,
             weight,
             self.weight_decay_rate if self._decays[index] else 0.0,
             self.trust_coefficient,
             adapt=self._adapts[index],
         )
-        scaled_update = learning_rate * direction
+        # The scalars first: one pass over the tensor.
+        scaled_update = (learning_rate * ratio) * u
         velocity = self._velocities[index]
         if velocity is None:
             step = scaled_update

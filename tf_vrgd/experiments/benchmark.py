@@ -91,6 +91,14 @@ def pairs(tf_vrgd=None):
     }
 
 
+def own_bases():
+    """name -> this package's own rule of a pair whose base is Keras': the
+    twin's base rule (its `update_step`)."""
+    import tf_vrgd
+
+    return {"LAMB": lambda **k: tf_vrgd.LAMB(1e-3, **k)}
+
+
 def _update_bytes(pair_name, optimizer, accumulation_steps=0):
     """Bytes per parameter of one update of the base and of its twin
     (VR optimizer or LARC), with `accumulation_steps` micro-steps before it."""
@@ -127,6 +135,9 @@ class Settings:
     # every candidate are then a whole number of the largest N's cycles.
     gsnr_intervals: Sequence[int] = (1,)
     no_xla: bool = True
+    # Also time this package's own base rule where the pair's base is
+    # Keras' (`own_bases`).
+    own_base: bool = False
     image_size: int = 32  # resnet50's input side (ImageNet: 224)
     # Reduce through one device: GPUs that are logical parts of one GPU
     # (NCCL does not run between them).
@@ -219,6 +230,8 @@ def measure(settings, gpus=(), report=print):
                     "base": functools.partial(make_base, **extra),
                     "vr": functools.partial(make_vr, **extra),
                 }
+                if settings.own_base and pair_name in own_bases():
+                    factories["own base"] = functools.partial(own_bases()[pair_name], **extra)
                 if pair_name != "LARC":
                     if settings.no_xla:
                         factories["vr no-xla"] = functools.partial(
@@ -229,6 +242,10 @@ def measure(settings, gpus=(), report=print):
                             factories[f"vr N={interval}"] = functools.partial(
                                 make_vr, gsnr_interval=interval, **extra
                             )
+                            if settings.no_xla:
+                                factories[f"vr N={interval} no-xla"] = functools.partial(
+                                    make_vr, gsnr_interval=interval, jit_update=False, **extra
+                                )
                     if settings.statistics:
                         factories["vr statistics"] = functools.partial(
                             make_vr, track_gsnr_statistics=True, **extra
@@ -318,6 +335,8 @@ def format_row(row):
             f"  no-xla/base {seconds['vr no-xla'] / seconds['base']:5.2f}"
             f"  xla/no-xla {seconds['vr'] / seconds['vr no-xla']:5.2f}"
         )
+    if "own base" in seconds:
+        line += f"  own-base/base {seconds['own base'] / seconds['base']:5.2f}"
     for name, value in seconds.items():
         if name.startswith("vr N="):
             line += f"  {name}/base {value / seconds['base']:5.2f}"
