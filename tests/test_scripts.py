@@ -157,34 +157,10 @@ def test_bench_step_measures_every_kind_with_accumulation():
     assert lines[0].startswith("memory copy bandwidth")
 
 
-def test_bench_step_times_each_gsnr_interval():
+def test_bench_step_times_each_gsnr_interval_and_the_own_base_rule():
     import keras
 
     import tf_vrgd
-    from tf_vrgd.experiments import benchmark
-
-    settings = benchmark.Settings(
-        setups=["accumulation"],
-        models=["mlp"],
-        mlp_parameters=20_000,
-        pairs=["Momentum"],
-        kinds=["update"],
-        steps=1,
-        repeats=1,
-        batch=8,
-        gsnr_intervals=[1, 4],
-        no_xla=False,
-    )
-    (row,) = benchmark.measure(settings, report=lambda row: None)
-    assert set(row["seconds"]) == {"base", "vr", "vr N=4"}
-    assert "vr N=4/base" in benchmark.format_row(row)
-    # An update's all-reduce: the gradient, and the squares one update in N.
-    assert benchmark.collective_bytes(keras.optimizers.Adam(), 1000) == 4000
-    assert benchmark.collective_bytes(tf_vrgd.VRAdam(), 1000) == 8000
-    assert benchmark.collective_bytes(tf_vrgd.VRAdam(gsnr_interval=4), 1000) == 5000
-
-
-def test_bench_step_times_the_own_base_rule_and_each_interval_without_xla():
     from tf_vrgd.experiments import benchmark
 
     settings = benchmark.Settings(
@@ -204,7 +180,11 @@ def test_bench_step_times_the_own_base_rule_and_each_interval_without_xla():
     assert set(row["seconds"]) == names
     assert all(seconds > 0 for seconds in row["seconds"].values())
     line = benchmark.format_row(row)
-    assert "own-base/base" in line and "vr N=4 no-xla/base" in line
+    assert "own-base/base" in line and "vr N=4/base" in line and "vr N=4 no-xla/base" in line
+    # An update's all-reduce: the gradient, and the squares one update in N.
+    assert benchmark.collective_bytes(keras.optimizers.Adam(), 1000) == 4000
+    assert benchmark.collective_bytes(tf_vrgd.VRAdam(), 1000) == 8000
+    assert benchmark.collective_bytes(tf_vrgd.VRAdam(gsnr_interval=4), 1000) == 5000
 
 
 def test_study_pairs_twin_and_base_by_seed():
