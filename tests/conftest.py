@@ -75,8 +75,8 @@ def pytest_sessionfinish(session):
 def pytest_testnodedown(node, error):
     """pytest-xdist, on the controller: a worker has finished."""
     worker_errors = getattr(node, "workeroutput", {}).get("worst_relative_errors", {})
+    worst = references.WORST_RELATIVE_ERRORS
     for name, value in worker_errors.items():
-        worst = references.WORST_RELATIVE_ERRORS
         worst[name] = max(worst.get(name, 0.0), value)
 
 

@@ -230,8 +230,9 @@ def measure(settings, gpus=(), report=print):
                     "base": functools.partial(make_base, **extra),
                     "vr": functools.partial(make_vr, **extra),
                 }
-                if settings.own_base and pair_name in own_bases():
-                    factories["own base"] = functools.partial(own_bases()[pair_name], **extra)
+                own_base = own_bases().get(pair_name) if settings.own_base else None
+                if own_base is not None:
+                    factories["own base"] = functools.partial(own_base, **extra)
                 if pair_name != "LARC":
                     if settings.no_xla:
                         factories["vr no-xla"] = functools.partial(
