@@ -18,7 +18,9 @@ cosine decay) stretched to it, in four parts:
 2. `seeds`: each optimizer's best rate of part 1 again with seeds 1 to
    `--seeds` - 1 (default 2 seeds in all); the report pairs each twin with
    its base by seed (the same initial weights and data order) and gives
-   the mean difference with its 95% t interval.
+   the mean difference with its 95% t interval. An optimizer whose grid
+   ran into another output takes its best rate from `--at` (`--at
+   momentum=0.5 vr_momentum=1`) and runs seeds 0 to `--seeds` - 1 here.
 3. `effective`: each base at its twin's effective rate, the twin's best
    rate x the twin's mean applied GSNR scale over its run (the
    `gsnr_scale` statistic), seeds 0 and 1: does the twin beat its base run
@@ -93,7 +95,8 @@ def parse_args(argv=None):
         nargs="+",
         default=[],
         metavar="NAME=MULTIPLIER",
-        help="part `interval`: a twin's rate multiplier where no grid run gives its best",
+        help="parts `interval` and `seeds`: an optimizer's rate multiplier where no grid "
+        "run of this output gives its best (the seeds part then runs seed 0 too)",
     )
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--cache-dir", default=None)
@@ -196,11 +199,38 @@ def _score(row):
 
 
 def seeds(results, args):
-    return [
-        {**_run_fields(row), "seed": seed}
-        for row in best_grid_rows(results, args).values()
-        for seed in range(1, args.seeds)
+    """Seeds 1 to `--seeds` - 1 at each best grid rate; for an optimizer of
+    `--at` that has no grid row in this output (its grid ran elsewhere),
+    seeds 0 to `--seeds` - 1 at the rate given."""
+    best = best_grid_rows(results, args)
+    runs = [
+        {**_run_fields(row), "seed": seed} for row in best.values() for seed in range(1, args.seeds)
     ]
+    k = args.replicas * args.accumulation
+    for name, rate in given_rates(args).items():
+        if name.removeprefix("vr_") not in args.pairs:
+            continue
+        for batch in args.batches:
+            if (name, batch) in best:
+                continue  # the grid of this output decides
+            run = {"optimizer": name, "batch": batch, "k": k, "lr_multiplier": rate}
+            runs += [{**run, "seed": seed} for seed in range(args.seeds)]
+    return runs
+
+
+def given_rates(args):
+    """{optimizer: rate multiplier} of `--at NAME=MULTIPLIER`."""
+    given = {}
+    for item in args.at:
+        name, _, multiplier = item.partition("=")
+        try:
+            rate = float(multiplier)
+        except ValueError:
+            rate = None
+        if name.removeprefix("vr_") not in PAIRS or rate is None or not rate > 0:
+            raise SystemExit(f"--at takes OPTIMIZER=MULTIPLIER (e.g. vr_adam=4), not {item!r}.")
+        given[name] = rate
+    return given
 
 
 def effective(results, args):
@@ -238,10 +268,7 @@ def interval(results, args):
     """Each twin of `args.pairs` at its best grid rate (or the `--at` one),
     at every `--gsnr-intervals` N, seeds 0 to `--seeds` - 1."""
     k = args.replicas * args.accumulation
-    given = {}
-    for item in args.at:
-        name, _, multiplier = item.partition("=")
-        given[name] = float(multiplier)
+    given = given_rates(args)
     best = best_grid_rows(plain(results), args)
     runs = []
     for batch in args.batches:

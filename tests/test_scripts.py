@@ -212,6 +212,26 @@ def test_study_pairs_twin_and_base_by_seed():
     assert sorted((r["optimizer"], r["lr_multiplier"], r["seed"]) for r in runs) == [
         (name, rate, seed) for name, rate in (("lars", 1.0), ("vr_lars", 2.0)) for seed in (1, 2, 3)
     ]
+    # `--at` gives a rate where this output has no grid row: seeds 0..N-1
+    # there; the grid's best wins where it has one; other pairs stay out.
+    args = study.parse_args(
+        ["--batches", "4096", "--pairs", "lars", "momentum", "--seeds", "3"]
+        + ["--at", "momentum=0.5", "vr_lars=4", "lamb=2"]
+    )
+    results = {study.key(r): r for r in rows[:3]}
+    runs = study.seeds(results, args)
+    assert sorted((r["optimizer"], r["lr_multiplier"], r["seed"]) for r in runs) == [
+        ("lars", 1.0, 1),
+        ("lars", 1.0, 2),
+        ("momentum", 0.5, 0),
+        ("momentum", 0.5, 1),
+        ("momentum", 0.5, 2),
+        ("vr_lars", 2.0, 1),
+        ("vr_lars", 2.0, 2),
+    ]
+    for bad in ("momentum", "sgd=1", "adam=x", "adam=0"):
+        with pytest.raises(SystemExit, match="--at takes"):
+            study.seeds(results, study.parse_args(["--pairs", "adam", "--at", bad]))
 
 
 def test_study_interval_part_runs_each_n_at_the_twins_rates():
