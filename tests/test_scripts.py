@@ -234,6 +234,43 @@ def test_study_pairs_twin_and_base_by_seed():
             study.seeds(results, study.parse_args(["--pairs", "adam", "--at", bad]))
 
 
+def test_study_report_and_plots_cover_each_pair(tmp_path):
+    import matplotlib.image
+
+    study = _script("study")
+    args = study.parse_args(
+        ["--output", str(tmp_path), "--batches", "4096", "8192", "--pairs", "lars", "lamb"]
+    )
+    rows = [
+        _study_row(name, batch, rate, seed, accuracy, scale=0.4 if name.startswith("vr_") else None)
+        for name, rate, accuracies in (
+            ("lars", 1.0, (0.80, 0.79, 0.81)),
+            ("vr_lars", 1.0, (0.82, 0.81, 0.84)),
+            ("lamb", 2.0, (0.89, 0.88, 0.90)),
+            ("vr_lamb", 1.0, (0.88, 0.89, 0.87)),
+        )
+        for batch in (4096, 8192)
+        for seed, accuracy in enumerate(accuracies)
+    ]
+    results = {study.key(r): r for r in rows}
+    text = study.report(results, args)
+    # Paired by seed, in points: vr_lars - lars is 2, 2, 3 (outside the noise:
+    # mean > t(2) x sd / sqrt(3)); vr_lamb - lamb is -1, +1, -3 (inside).
+    diffs = np.array([2.0, 2.0, 3.0])
+    mean, sd = diffs.mean(), diffs.std(ddof=1)
+    half = 4.303 * sd / np.sqrt(3.0)
+    line = f"{mean:+.2f} sd {sd:.2f} 95% [{mean - half:+.2f}, {mean + half:+.2f}]"
+    label = "vr_lars - lars b4096 (seeds 0, 1, 2)".ljust(44)
+    assert f"{label} {line}  outside the noise" in text
+    assert "vr_lamb - lamb b8192 (seeds 0, 1, 2)" in text
+    assert text.count("inside the noise") == 2 and text.count("outside the noise") == 2
+    paths = study.plot(results, args, str(tmp_path / "plots"))
+    assert [os.path.basename(p) for p in paths] == ["rates.png", "scale.png", "samples.png"]
+    # rates.png: a row of panels per pair, a column per batch.
+    height, width = matplotlib.image.imread(paths[0]).shape[:2]
+    assert (width, height) == (2 * 6 * 90, 2 * 3.5 * 90)
+
+
 def test_study_interval_part_runs_each_n_at_the_twins_rates():
     study = _script("study")
     args = study.parse_args(
