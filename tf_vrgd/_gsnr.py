@@ -20,7 +20,9 @@ Flow of one `apply` call (per replica, in replica context):
    replica context: Keras' own accumulation puts `merge_call` inside a cond
    and fails under `MirroredStrategy`) runs, once per update:
 3. one `batch_reduce_to` SUM carries both sums for every variable (the
-   rows of row-sparse gradients gathered, not summed into a table), and
+   small dense variables' as one flat vector, concatenated per replica
+   before the `merge_call`; the rows of row-sparse gradients gathered, not
+   summed into a table), and
 4. once per device, inside `extended.update_non_slot`, one XLA program for
    the large dense variables, one flat pass for the small ones, and the
    row-sparse update for embedding tables compute ``gbar, s`` -> GSNR ->
@@ -296,27 +298,30 @@ class GSNRMixin:
             functional.sum_duplicate_rows(_at_least_one_row(g)) if j in sparse else g
             for j, g in enumerate(grads)
         ]
+        groups = _update_groups(trainable_variables, sparse)
         rows = None
         if self.gradient_accumulation_steps:
             is_update_step = self._is_update_step()
             sums, squares, samples, rows = self._accumulate(grads, indices, sparse, is_update_step)
-        elif self.gsnr_interval == 1:
-            sums, squares, samples = grads, _squares(grads), None
+            sums, squares = _grouped(sums, groups), _grouped(squares, groups)
         else:
-            # Squared only for a GSNR update (an empty stand-in otherwise).
-            squares = tf.cond(
-                self._is_gsnr_update(),
-                lambda: _squares(grads),
-                lambda: [_empty_like(g, doubled=True) for g in grads],
-            )
-            for square, gradient in zip(squares, grads):
-                # Read in the GSNR branch of `_cross_replica_update` only.
-                if not isinstance(gradient, tf.IndexedSlices):
-                    square.set_shape(gradient.shape)
-            sums, samples = grads, None
+            sums, samples = _grouped(grads, groups), None
+            if self.gsnr_interval == 1:
+                squares = _squares(sums)
+            else:
+                # Squared only for a GSNR update (an empty stand-in otherwise).
+                squares = tf.cond(
+                    self._is_gsnr_update(),
+                    lambda: _squares(sums),
+                    lambda: [_empty_like(g, doubled=True) for g in sums],
+                )
+                for square, gradient in zip(squares, sums):
+                    # Read in the GSNR branch of `_cross_replica_update` only.
+                    if not isinstance(gradient, tf.IndexedSlices):
+                        square.set_shape(gradient.shape)
         replica_context.merge_call(
             self._cross_replica_update,
-            args=(sums, squares, samples, list(trainable_variables), indices, sparse),
+            args=(sums, squares, samples, list(trainable_variables), indices, groups),
         )
         if self.gradient_accumulation_steps:
             # After the update has read the sums (reads are ordered before
@@ -511,11 +516,20 @@ class GSNRMixin:
         return tf.cast(self.iterations // self.gsnr_interval + 1, tf.float32)
 
     def _cross_replica_update(
-        self, distribution, sums, squares, samples, variables, indices, sparse
+        self, distribution, sums, squares, samples, variables, indices, groups
     ):
+        # `sums` and `squares` in `_grouped`'s order: the large dense
+        # variables, the row-sparse ones, then the small dense ones as one
+        # flat vector.
+        large, sparse, packed = groups
         tf_variables = [_tf_variable(v) for v in variables]
-        dense = [j for j in range(len(variables)) if j not in sparse]
-        dense_indices = tuple(indices[j] for j in dense)
+        # Where each message goes (a variable's devices); the flat vector
+        # goes where the first small variable lives.
+        targets = [tf_variables[j] for j in large + sparse] + [tf_variables[j] for j in packed[:1]]
+        dense = list(range(len(large))) + ([len(sums) - 1] if packed else [])
+        rows_of = range(len(large), len(large) + len(sparse))
+        large_indices = tuple(indices[j] for j in large)
+        packed_indices = tuple(indices[j] for j in packed)
         sparse_indices = tuple(indices[j] for j in sparse)
 
         def update(measure):
@@ -524,21 +538,18 @@ class GSNRMixin:
             # gradient sums alone. Row-sparse sums travel as the rows each
             # replica holds (sums and squares side by side), gathered, not
             # summed into a table.
-            values = [(sums[j], tf_variables[j]) for j in dense]
+            values = [(sums[p], targets[p]) for p in dense]
             if measure:
-                values += [(squares[j], tf_variables[j]) for j in dense]
-            values += [((squares if measure else sums)[j], tf_variables[j]) for j in sparse]
+                values += [(squares[p], targets[p]) for p in dense]
+            values += [((squares if measure else sums)[p], targets[p]) for p in rows_of]
             if samples is not None:
                 values.append((samples, tf_variables[0]))
             reduced = distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, values)
             count = len(dense)
             rows_start = 2 * count if measure else count
             learning_rate = tf.convert_to_tensor(self.learning_rate)
-            device_update = (
-                self._device_update(dense_indices, sparse_indices)
-                if measure
-                else self._device_scale_update(dense_indices, sparse_indices)
-            )
+            make = self._device_update if measure else self._device_scale_update
+            device_update = make(large_indices, packed_indices, sparse_indices)
             # `fn` runs once per device holding the variables, inside that
             # device's update context: one compiled program per device updates
             # all of that device's copies.
@@ -581,19 +592,21 @@ class GSNRMixin:
             # In cross-replica context, so that no merge_call sits in a cond.
             tf.cond(self._is_update_step(), gsnr_or_scale_update, lambda: None)
 
-    def _device_update(self, indices, sparse_indices=()):
-        """The VR update of the variables at `indices` (dense gradients) and
-        `sparse_indices` (row-sparse ones, `_row_sparse_update`) on one
-        device, made once per set of variables and traced once per device.
+    def _device_update(self, indices, packed_indices=(), sparse_indices=()):
+        """The VR update on one device of the large dense variables at
+        `indices`, the small ones at `packed_indices` (their reduced sums as
+        one flat vector) and the row-sparse ones at `sparse_indices`
+        (`_row_sparse_update`), made once per set of variables and traced
+        once per device.
 
-        Variables are split by size. Those over `PACKED_MAX_ELEMENTS`
-        elements are updated by one XLA program (unless `jit_update` is
-        False): GSNR, GSNR momentum and the base rule, fused per variable.
-        The small ones (biases, normalisation scales: most of the variables
-        of a ResNet or a transformer, a few percent of its parameters) go
-        through `_packed_update`, a handful of ops for all of them, since
-        compiling or launching kernels per variable costs more than their
-        bytes.
+        The large variables (over `PACKED_MAX_ELEMENTS` elements) are
+        updated by one XLA program (unless `jit_update` is False): GSNR,
+        GSNR momentum and the base rule, fused per variable. The small ones
+        (biases, normalisation scales: most of the variables of a ResNet or
+        a transformer, a few percent of its parameters) travel and are
+        measured as one flat vector (`_packed_update`), since compiling,
+        launching kernels or sending a message per variable costs more than
+        their bytes.
 
         Both capture the variables and slots rather than taking them as
         arguments, like `_moment_accumulation`. Traced inside a device's
@@ -601,13 +614,10 @@ class GSNRMixin:
         so each device gets one trace of its own, whatever the number of
         variables.
         """
-        key = (indices, sparse_indices)
+        key = (indices, packed_indices, sparse_indices)
         if key in self._variable_updates:
             return self._variable_updates[key]
-        sizes = [variable_size(self._trainable_variables[i]) for i in indices]
-        fused = [j for j, size in enumerate(sizes) if size > PACKED_MAX_ELEMENTS]
-        packed = [j for j, size in enumerate(sizes) if size <= PACKED_MAX_ELEMENTS]
-        fused_updates = [self._variable_update(indices[j]) for j in fused]
+        fused_updates = [self._variable_update(i) for i in indices]
 
         def fused_update(sums, squares, samples, learning_rate, step, replicas):
             hyper = self._shared_scalars(step)
@@ -616,82 +626,71 @@ class GSNRMixin:
 
         if self.jit_update:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
-        packed_update = self._packed_update([indices[j] for j in packed])
+        packed_update = self._packed_update(packed_indices)
+        row_update = self._row_sparse_update(sparse_indices, measure=True)
+        count = len(indices)
 
         # Plain Python over fixed lists: nothing for autograph to convert.
         # (Converted, this closure raised "name 'fused_update' is not
         # defined" in a one-device tf.function once other tests of the same
         # process had converted updates of other optimizers.)
-        row_update = self._row_sparse_update(sparse_indices, measure=True)
-
         @tf.autograph.experimental.do_not_convert
         def device_update(sums, squares, row_moments, *scalars):
-            for update, positions in ((fused_update, fused), (packed_update, packed)):
-                if positions:
-                    update([sums[j] for j in positions], [squares[j] for j in positions], *scalars)
+            if indices:
+                fused_update(sums[:count], squares[:count], *scalars)
+            if packed_indices:
+                packed_update(sums[count], squares[count], *scalars)
             if sparse_indices:
                 row_update(row_moments, *scalars)
 
         # The compiled program, whose traces the tests count.
-        device_update.compiled = fused_update if fused and self.jit_update else None
+        device_update.compiled = fused_update if indices and self.jit_update else None
         self._variable_updates[key] = device_update
         return device_update
 
-    def _device_scale_update(self, indices, sparse_indices=()):
-        """The update of the variables at `indices` between GSNR updates, on
-        one device: the mean gradient from the reduced sums, times the scale
-        of the last GSNR update (its `gsnr_scale` slot, or with beta_3 > 0
-        the GSNR momentum over the correction, which counts GSNR updates),
-        then the base rule. Split by size like `_device_update`: the large
-        variables in one XLA program, the small ones as Keras runs them."""
-        key = ("scale", indices, sparse_indices)
+    def _device_scale_update(self, indices, packed_indices=(), sparse_indices=()):
+        """The update between GSNR updates on one device, for the variables
+        of `_device_update`: the mean gradient from the reduced sums, times
+        the scale of the last GSNR update (its `gsnr_scale` slot, or with
+        beta_3 > 0 the GSNR momentum over the correction, which counts GSNR
+        updates), then the base rule. The large variables in one XLA
+        program, the small ones on their flat vector."""
+        key = ("scale", indices, packed_indices, sparse_indices)
         if key in self._variable_updates:
             return self._variable_updates[key]
-        sizes = [variable_size(self._trainable_variables[i]) for i in indices]
-        fused = [j for j, size in enumerate(sizes) if size > PACKED_MAX_ELEMENTS]
-        packed = [j for j, size in enumerate(sizes) if size <= PACKED_MAX_ELEMENTS]
-
-        def updates_of(positions):
-            targets = []
-            for j in positions:
-                keras_variable = self._trainable_variables[indices[j]]
-                targets.append(
-                    (
-                        _tf_variable(keras_variable),
-                        bool(self.weight_decay) and self._use_weight_decay(keras_variable),
-                        self._gsnr_scales[indices[j]],
-                        self._gsnr_momentums[indices[j]],
-                    )
+        targets = []
+        for i in indices:
+            keras_variable = self._trainable_variables[i]
+            targets.append(
+                (
+                    _tf_variable(keras_variable),
+                    bool(self.weight_decay) and self._use_weight_decay(keras_variable),
+                    self._gsnr_scales[i],
+                    self._gsnr_momentums[i],
                 )
+            )
 
-            def scale_update(sums, samples, learning_rate, gsnr_updates, replicas):
-                correction = functional.gsnr_momentum_correction(self.beta_3, gsnr_updates)
-                for (variable, decays, scale_slot, momentum_slot), total in zip(targets, sums):
-                    gradient_mean = total if samples is None else total / samples
-                    if momentum_slot is not None:
-                        applied = momentum_slot / correction
-                    else:
-                        applied = scale_slot
-                    self._apply_base_rule(variable, decays, applied * gradient_mean, learning_rate)
+        def fused_update(sums, samples, learning_rate, gsnr_updates, replicas):
+            correction = functional.gsnr_momentum_correction(self.beta_3, gsnr_updates)
+            for (variable, decays, scale_slot, momentum_slot), total in zip(targets, sums):
+                gradient_mean = total if samples is None else total / samples
+                applied = momentum_slot / correction if momentum_slot is not None else scale_slot
+                self._apply_base_rule(variable, decays, applied * gradient_mean, learning_rate)
 
-            return scale_update
-
-        fused_update = updates_of(fused)
         if self.jit_update:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
-        packed_update = updates_of(packed)
-
-        # Plain Python over fixed lists: nothing for autograph to convert.
-        # (Converted, this closure raised "name 'fused_update' is not
-        # defined" in a one-device tf.function once other tests of the same
-        # process had converted updates of other optimizers.)
+        packed_update = self._packed_scale_update(packed_indices)
         row_update = self._row_sparse_update(sparse_indices, measure=False)
+        count = len(indices)
 
+        # Plain Python over fixed lists: nothing for autograph to convert
+        # (see `_device_update`).
         @tf.autograph.experimental.do_not_convert
         def device_update(sums, squares, row_sums, *scalars):
-            for update, positions in ((fused_update, fused), (packed_update, packed)):
-                if positions:
-                    update([sums[j] for j in positions], *scalars)
+            if indices:
+                fused_update(sums[:count], *scalars)
+            if packed_indices:
+                packed_update(sums[count], *scalars)
             if sparse_indices:
                 row_update(row_sums, *scalars)
 
@@ -709,44 +708,34 @@ class GSNRMixin:
         }
 
     def _packed_update(self, indices):
-        """The VR update of the (small) variables at `indices`, with the
-        GSNR of all of them computed on one flat vector.
+        """The VR update of the (small) variables at `indices`, from their
+        reduced sums as one flat vector each (`_grouped`'s order).
 
-        Their sums are concatenated, the GSNR and its momentum are computed
-        element-wise on the whole, the per-variable means by one segment sum
-        (in float64, exact to float32 round-off whatever the sizes), and the
-        scaled gradient is split back; each variable's base rule then runs
-        as Keras runs it, outside XLA. The ops do not grow with the number
-        of variables, except the reshapes, splits and assignments.
+        The GSNR and its momentum are computed element-wise on the whole,
+        the per-variable means by one segment sum (in float64, exact to
+        float32 round-off whatever the sizes), and the scaled gradient is
+        split back; each variable's base rule then runs as Keras runs it,
+        outside XLA. The ops do not grow with the number of variables,
+        except the reshapes, splits and assignments.
         """
         if not indices:
             return None
-        variables = [_tf_variable(self._trainable_variables[i]) for i in indices]
-        decays = [
-            bool(self.weight_decay) and self._use_weight_decay(self._trainable_variables[i])
-            for i in indices
-        ]
+        variables, decays, sizes = self._packed_targets(indices)
         momentum_slots = [self._gsnr_momentums[i] for i in indices]
         scale_slots = [self._gsnr_scales[i] for i in indices]
         statistics_slots = [self._gsnr_monitor.value[i] for i in indices]
-        sizes = [variable_size(v) for v in variables]
         segment_ids = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-
-        def flatten(tensors):
-            return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
 
         def packed_update(sums, squares, samples, learning_rate, step, replicas):
             hyper = self._shared_scalars(step)
             segments = tf.constant(segment_ids)
-            gradient_mean, second_moment = _moments(
-                flatten(sums), flatten(squares), samples, replicas
-            )
+            gradient_mean, second_moment = _moments(sums, squares, samples, replicas)
             new = functional.gsnr_scale(
                 gradient_mean,
                 second_moment,
                 **hyper,
-                previous_scale=_optional(flatten, scale_slots),
-                previous_momentum=_optional(flatten, momentum_slots),
+                previous_scale=_optional(_flatten, scale_slots),
+                previous_momentum=_optional(_flatten, momentum_slots),
                 segments=(segments, sizes),
                 statistics=statistics_slots[0] is not None,
             )
@@ -757,13 +746,45 @@ class GSNRMixin:
             if statistics_slots[0] is not None:
                 for slot, row in zip(statistics_slots, tf.unstack(new.statistics)):
                     slot.assign_add(tf.concat([row, [1.0]], 0))
-            scaled_gradients = tf.split(new.applied * gradient_mean, sizes)
-            for variable, decay, gradient in zip(variables, decays, scaled_gradients):
-                self._apply_base_rule(
-                    variable, decay, tf.reshape(gradient, variable.shape), learning_rate
-                )
+            self._apply_split(variables, decays, sizes, new.applied * gradient_mean, learning_rate)
 
         return packed_update
+
+    def _packed_scale_update(self, indices):
+        """`_packed_update` between GSNR updates: the flat mean gradient
+        times the flat last scale (or corrected GSNR momentum), split back
+        to each variable's base rule."""
+        if not indices:
+            return None
+        variables, decays, sizes = self._packed_targets(indices)
+        momentum_slots = [self._gsnr_momentums[i] for i in indices]
+        scale_slots = [self._gsnr_scales[i] for i in indices]
+
+        def packed_update(total, samples, learning_rate, gsnr_updates, replicas):
+            gradient_mean = total if samples is None else total / samples
+            if momentum_slots[0] is not None:
+                correction = functional.gsnr_momentum_correction(self.beta_3, gsnr_updates)
+                applied = _flatten(momentum_slots) / correction
+            else:
+                applied = _flatten(scale_slots)
+            self._apply_split(variables, decays, sizes, applied * gradient_mean, learning_rate)
+
+        return packed_update
+
+    def _packed_targets(self, indices):
+        """(tf.Variables, whether each decays, sizes) of the variables at
+        `indices`."""
+        keras_variables = [self._trainable_variables[i] for i in indices]
+        decays = [bool(self.weight_decay) and self._use_weight_decay(v) for v in keras_variables]
+        variables = [_tf_variable(v) for v in keras_variables]
+        return variables, decays, [variable_size(v) for v in variables]
+
+    def _apply_split(self, variables, decays, sizes, scaled_gradient, learning_rate):
+        """Each variable's base rule on its piece of the flat `scaled_gradient`."""
+        for variable, decay, gradient in zip(variables, decays, tf.split(scaled_gradient, sizes)):
+            self._apply_base_rule(
+                variable, decay, tf.reshape(gradient, variable.shape), learning_rate
+            )
 
     def _row_sparse_update(self, indices, measure):
         """The VR update of the variables at `indices` from row-sparse sums,
@@ -1001,6 +1022,33 @@ def _optional(function, value):
 
 def _optional_tf_variable(slot):
     return None if slot is None else _tf_variable(slot)
+
+
+def _update_groups(variables, sparse):
+    """Positions of `variables` in three groups: large dense (over
+    `PACKED_MAX_ELEMENTS` elements), row-sparse (`sparse`), small dense."""
+    large, packed = [], []
+    for j, variable in enumerate(variables):
+        if j not in sparse:
+            (packed if variable_size(variable) <= PACKED_MAX_ELEMENTS else large).append(j)
+    return tuple(large), tuple(sparse), tuple(packed)
+
+
+def _grouped(tensors, groups):
+    """`tensors` (one per position) in the order of `groups`: the large
+    dense ones, the row-sparse ones, then the small dense ones concatenated
+    into one flat vector (one message in the collective, one pass on each
+    device)."""
+    large, sparse, packed = groups
+    out = [tensors[j] for j in large + sparse]
+    if packed:
+        out.append(_flatten([tensors[j] for j in packed]))
+    return out
+
+
+def _flatten(tensors):
+    """The elements of `tensors`, one after the other, as one vector."""
+    return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
 
 
 def _squares(grads):
