@@ -3,16 +3,21 @@ in one process (docs/RESULTS.md, "The VR update before and after a change").
 
     python scripts/bench_versions.py --commit 2d21554
     python scripts/bench_versions.py --commit HEAD~3 --models encoder --pairs Adam
+    python scripts/bench_versions.py --commit HEAD~1 --models resnet50 --pairs LAMB \
+        --gsnr-interval 16 --kind "train step"
 
 The package as it was at `--commit` is copied out of git (`git archive`)
 under another name, so that both versions import side by side; each pair
 then times Keras' base optimizer, the VR twin of that commit and this
 checkout's VR twin on their own copies of the model, `optimizer.apply` on
 fixed per-replica gradients (`timing.Candidate`), interleaved repetition by
-repetition, and prints the medians and the ratio new / old.
+repetition, and prints the medians and the ratio new / old. Both twins
+take the same `--gsnr-interval` and `--no-xla`; `--kind "train step"`
+times the whole training step instead.
 """
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -35,7 +40,20 @@ def parse_args(argv=None):
     parser.add_argument("--batch-per-replica", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="updates per timed repetition")
     parser.add_argument("--repeats", type=int, default=5)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--gsnr-interval",
+        type=int,
+        default=1,
+        help="both twins' gsnr_interval (N > 1: repetitions and warm-up of whole cycles)",
+    )
+    parser.add_argument("--no-xla", action="store_true", help="both twins with jit_update=False")
+    parser.add_argument(
+        "--kind", default="update", choices=("update", "train step"), help="what is timed"
+    )
+    args = parser.parse_args(argv)
+    if args.gsnr_interval < 1:
+        parser.error("--gsnr-interval must be >= 1")
+    return args
 
 
 def import_at(commit, folder):
@@ -85,6 +103,17 @@ def main(argv=None):
         benchmark.warm_up_runtime(strategy, {})
         factories = {"encoder": bench_models.encoder, "resnet50": bench_models.resnet50}
         rng = np.random.default_rng(0)
+        twin_fields = {}
+        if args.gsnr_interval > 1:
+            twin_fields["gsnr_interval"] = args.gsnr_interval
+        if args.no_xla:
+            twin_fields["jit_update"] = False
+        label = "".join(f" {k}={v}" for k, v in twin_fields.items())
+        # Whole cycles of N updates per repetition and in the warm-up, so
+        # that every repetition holds the same share of GSNR updates.
+        n = args.gsnr_interval
+        steps = -(-args.steps // n) * n
+        warmup = max(3, n)
         for model_name in args.models:
             batch = bench_models.make_batch(
                 model_name, args.batch_per_replica * strategy.num_replicas_in_sync, rng
@@ -94,12 +123,23 @@ def main(argv=None):
                 _, old_twin, _ = benchmark.pairs(old)[pair]
                 _, new_twin, _ = benchmark.pairs(tf_vrgd)[pair]
                 candidates = [
-                    timing.Candidate(name, make, factories[model_name], strategy, batch)
-                    for name, make in (("base", base), ("old", old_twin), ("new", new_twin))
+                    timing.Candidate(
+                        name,
+                        functools.partial(make, **fields),
+                        factories[model_name],
+                        strategy,
+                        batch,
+                    )
+                    for name, make, fields in (
+                        ("base", base, {}),
+                        ("old", old_twin, twin_fields),
+                        ("new", new_twin, twin_fields),
+                    )
                 ]
-                s = timing.compare(candidates, "update", args.steps, args.repeats, warmup=3)
+                s = timing.compare(candidates, args.kind, steps, args.repeats, warmup=warmup)
                 print(
-                    f"{model_name:<9} {pair:<9} update: base {s['base'] * 1e3:8.1f} ms  "
+                    f"{model_name:<9} {pair:<9} {args.kind}{label}: "
+                    f"base {s['base'] * 1e3:8.1f} ms  "
                     f"{args.commit} {s['old'] * 1e3:8.1f} ms ({s['old'] / s['base']:.2f}x)  "
                     f"this {s['new'] * 1e3:8.1f} ms ({s['new'] / s['base']:.2f}x)  "
                     f"this/{args.commit} {s['new'] / s['old']:.3f}",
