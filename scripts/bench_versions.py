@@ -34,7 +34,13 @@ PAIRS = ("Momentum", "Adam", "LAMB", "LARS")  # benchmark.pairs() with a VR twin
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commit", required=True, help="the git revision to compare with")
-    parser.add_argument("--models", nargs="+", default=["encoder", "resnet50"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["encoder", "resnet50"],
+        choices=["encoder", "resnet50", "thin_mlp"],
+        help="thin_mlp: 214 variables of at most 256 elements (the per-variable cost alone)",
+    )
     parser.add_argument("--pairs", nargs="+", default=["Adam", "LAMB"], choices=PAIRS)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--batch-per-replica", type=int, default=8)
@@ -101,7 +107,11 @@ def main(argv=None):
         ]
         strategy = tf.distribute.MirroredStrategy(devices)
         benchmark.warm_up_runtime(strategy, {})
-        factories = {"encoder": bench_models.encoder, "resnet50": bench_models.resnet50}
+        factories = {
+            "encoder": bench_models.encoder,
+            "resnet50": bench_models.resnet50,
+            "thin_mlp": bench_models.thin_mlp,
+        }
         rng = np.random.default_rng(0)
         twin_fields = {}
         if args.gsnr_interval > 1:

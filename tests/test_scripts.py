@@ -425,3 +425,17 @@ def test_bench_versions_imports_a_commit_beside_this_checkout(tmp_path):
     # Its modules import each other, not this checkout's.
     assert old.vr_adam.GSNRMixin.__module__ == "tf_vrgd_at_commit._gsnr"
     assert old.VRAdam(1e-3).get_config()["gamma"] == tf_vrgd.VRAdam(1e-3).get_config()["gamma"]
+    # The flags that time an interval's path; the thin model's variables.
+    args = versions.parse_args(
+        ["--commit", "HEAD", "--models", "thin_mlp", "--gsnr-interval", "16", "--no-xla"]
+    )
+    assert (args.gsnr_interval, args.no_xla, args.kind) == (16, True, "update")
+    with pytest.raises(SystemExit):
+        versions.parse_args(["--commit", "HEAD", "--gsnr-interval", "0"])
+    from tf_vrgd.experiments import bench_models
+
+    model = bench_models.thin_mlp()
+    sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
+    assert len(sizes) == 214 and max(sizes) == 256 and sum(sizes) == 106 * 272 + 170
+    x, y = bench_models.make_batch("thin_mlp", 8, np.random.default_rng(0))
+    assert x.shape == (8, 16) and y.shape == (8,)

@@ -22,6 +22,15 @@ def mlp(parameters=10_000_000, inputs=784, outputs=10):
     )
 
 
+def thin_mlp(layers=107, width=16, inputs=16, outputs=10):
+    """`layers` Dense layers of `width` units: 2 x `layers` variables of at
+    most width x width elements (214 variables and 27 k parameters by
+    default, as many variables as ResNet-50), so that a step costs what an
+    optimizer does per variable and nearly nothing per element."""
+    hidden = [keras.layers.Dense(width, activation="relu") for _ in range(layers - 1)]
+    return keras.Sequential([keras.Input((inputs,)), *hidden, keras.layers.Dense(outputs)])
+
+
 def resnet50(classes=10, size=32):
     """`keras.applications.ResNet50` on size x size x 3 inputs, untrained:
     214 trainable variables (161 of them batch-norm scales and offsets)."""
@@ -75,7 +84,12 @@ def cnn():
 
 def make_batch(model_name, global_batch, rng, image_size=32):
     """A fixed random batch of inputs and integer labels for `model_name`."""
-    shapes = {"mlp": (784,), "cnn": (28, 28, 1), "resnet50": (image_size, image_size, 3)}
+    shapes = {
+        "mlp": (784,),
+        "thin_mlp": (16,),
+        "cnn": (28, 28, 1),
+        "resnet50": (image_size, image_size, 3),
+    }
     if model_name == "encoder":
         x = rng.integers(0, 1000, (global_batch, 32)).astype(np.int32)
     else:
