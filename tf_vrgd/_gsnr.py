@@ -658,17 +658,10 @@ class GSNRMixin:
         key = ("scale", indices, packed_indices, sparse_indices)
         if key in self._variable_updates:
             return self._variable_updates[key]
-        targets = []
-        for i in indices:
-            keras_variable = self._trainable_variables[i]
-            targets.append(
-                (
-                    _tf_variable(keras_variable),
-                    bool(self.weight_decay) and self._use_weight_decay(keras_variable),
-                    self._gsnr_scales[i],
-                    self._gsnr_momentums[i],
-                )
-            )
+        variables, decays, _ = self._update_targets(indices)
+        scale_slots = [self._gsnr_scales[i] for i in indices]
+        momentum_slots = [self._gsnr_momentums[i] for i in indices]
+        targets = list(zip(variables, decays, scale_slots, momentum_slots))
 
         def fused_update(sums, samples, learning_rate, gsnr_updates, replicas):
             correction = functional.gsnr_momentum_correction(self.beta_3, gsnr_updates)
@@ -720,7 +713,7 @@ class GSNRMixin:
         """
         if not indices:
             return None
-        variables, decays, sizes = self._packed_targets(indices)
+        variables, decays, sizes = self._update_targets(indices)
         momentum_slots = [self._gsnr_momentums[i] for i in indices]
         scale_slots = [self._gsnr_scales[i] for i in indices]
         statistics_slots = [self._gsnr_monitor.value[i] for i in indices]
@@ -756,7 +749,7 @@ class GSNRMixin:
         to each variable's base rule."""
         if not indices:
             return None
-        variables, decays, sizes = self._packed_targets(indices)
+        variables, decays, sizes = self._update_targets(indices)
         momentum_slots = [self._gsnr_momentums[i] for i in indices]
         scale_slots = [self._gsnr_scales[i] for i in indices]
 
@@ -771,9 +764,9 @@ class GSNRMixin:
 
         return packed_update
 
-    def _packed_targets(self, indices):
-        """(tf.Variables, whether each decays, sizes) of the variables at
-        `indices`."""
+    def _update_targets(self, indices):
+        """(tf.Variables, whether each decays in Keras' decoupled way,
+        sizes) of the variables at `indices`."""
         keras_variables = [self._trainable_variables[i] for i in indices]
         decays = [bool(self.weight_decay) and self._use_weight_decay(v) for v in keras_variables]
         variables = [_tf_variable(v) for v in keras_variables]
