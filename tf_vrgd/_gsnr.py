@@ -768,9 +768,13 @@ class GSNRMixin:
         """(tf.Variables, whether each decays in Keras' decoupled way,
         sizes) of the variables at `indices`."""
         keras_variables = [self._trainable_variables[i] for i in indices]
-        decays = [bool(self.weight_decay) and self._use_weight_decay(v) for v in keras_variables]
+        decays = [self._decays_decoupled(v) for v in keras_variables]
         variables = [_tf_variable(v) for v in keras_variables]
         return variables, decays, [variable_size(v) for v in variables]
+
+    def _decays_decoupled(self, keras_variable):
+        """Whether `_apply_base_rule` decays this variable Keras' way."""
+        return bool(self.weight_decay) and self._use_weight_decay(keras_variable)
 
     def _apply_split(self, variables, decays, sizes, scaled_gradient, learning_rate):
         """Each variable's base rule on its piece of the flat `scaled_gradient`."""
@@ -796,7 +800,7 @@ class GSNRMixin:
             targets.append(
                 (
                     _tf_variable(keras_variable),
-                    bool(self.weight_decay) and self._use_weight_decay(keras_variable),
+                    self._decays_decoupled(keras_variable),
                     _optional_tf_variable(self._gsnr_scales[i]),
                     _optional_tf_variable(self._gsnr_momentums[i]),
                     _optional_tf_variable(self._gsnr_row_updates[i]),
@@ -866,7 +870,7 @@ class GSNRMixin:
         sums: GSNR, its momentum, then the base rule's `update_step`."""
         keras_variable = self._trainable_variables[index]
         variable = _tf_variable(keras_variable)
-        decays = bool(self.weight_decay) and self._use_weight_decay(keras_variable)
+        decays = self._decays_decoupled(keras_variable)
         gsnr_momentum_slot = self._gsnr_momentums[index]
         scale_slot = self._gsnr_scales[index]
         statistics_slot = self._gsnr_monitor.value[index]
