@@ -28,7 +28,7 @@ in OUT/<step>.log.
 
 `--dry-run` runs every step on logical CPU devices at tiny sizes (the test
 suite runs it): a few tests, a small MLP for the step cost, tiny BERT and
-the CIFAR ResNet-20 for the tasks. Its figures say nothing about a GPU.
+the CIFAR ResNet-8 for the tasks. Its figures say nothing about a GPU.
 """
 
 import argparse
@@ -48,7 +48,7 @@ TASKS = {
 }
 # Per replica (GPU): examples of one step of each task and of the benchmark.
 GPU_BATCH = {"bert_large_phase1": 64, "resnet50_imagenet": 128, "bench": 64}
-# The dry run's tasks: tiny sizes, and the CIFAR ResNet-20 in place of
+# The dry run's tasks: tiny sizes, and the CIFAR ResNet-8 in place of
 # ResNet-50 (the same task and code path).
 DRY_TASKS = {"bert_large_phase1": "bert", "resnet50_imagenet": "resnet"}
 # Shares of the time limit, in this order.

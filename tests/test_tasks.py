@@ -312,6 +312,28 @@ def test_every_paper_config_builds_its_task():
     assert kinds == {"bert", "image_classification", "dlrm"}
 
 
+@pytest.mark.parametrize("depth", [8, 20])
+def test_cifar_resnet_has_the_depth_it_is_named_for(depth):
+    # He et al.'s count: the first convolution, two per basic block (3
+    # stages of n), the classifier; the 1x1 projections are not counted.
+    cfg = _cfg("cifar10_resnet56_momentum_1k.yaml", {"task.model.resnet.model_id": depth})
+    model = tasks.from_config(cfg).build_model()
+    counted = [
+        layer
+        for layer in model.layers
+        if isinstance(layer, tf.keras.layers.Dense)
+        or (isinstance(layer, tf.keras.layers.Conv2D) and layer.kernel_size == (3, 3))
+    ]
+    assert len(counted) == depth
+
+
+@pytest.mark.parametrize("depth", [2, 21, 34])
+def test_cifar_resnet_depths_other_than_6n_plus_2_are_refused(depth):
+    cfg = _cfg("cifar10_resnet56_momentum_1k.yaml", {"task.model.resnet.model_id": depth})
+    with pytest.raises(ValueError, match=rf"6n \+ 2 .*Received: {depth}"):
+        tasks.from_config(cfg)
+
+
 # --- vrgd-train ---------------------------------------------------------------------
 
 

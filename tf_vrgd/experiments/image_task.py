@@ -43,11 +43,11 @@ class ImageClassification(Task):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.depth = int(lookup(self.model_cfg, "resnet.model_id", 50))
-        self.cifar = self.depth in resnet.CIFAR_DEPTHS
+        self.cifar = resnet.is_cifar_depth(self.depth)
         if not self.cifar and self.depth not in resnet.IMAGENET_BLOCKS:
             raise ValueError(
-                f"task.model.resnet.model_id must be one of "
-                f"{sorted(resnet.IMAGENET_BLOCKS) + sorted(resnet.CIFAR_DEPTHS)}. "
+                f"task.model.resnet.model_id must be one of {sorted(resnet.IMAGENET_BLOCKS)} "
+                f"(ImageNet) or 6n + 2 for some n >= 1 (CIFAR: 8, 20, 56...). "
                 f"Received: {self.depth}"
             )
         default_size = [32, 32, 3] if self.cifar else [224, 224, 3]

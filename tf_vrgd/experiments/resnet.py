@@ -6,7 +6,8 @@
   on the first 1x1).
 - `cifar_resnet`: the CIFAR ResNet of He et al. (2016, section 4.2): depth
   6n + 2, three stages of n basic blocks with 16, 32 and 64 filters;
-  ResNet-56 is n = 9. Shortcuts change shape through a 1x1 projection.
+  ResNet-56 is n = 9, ResNet-8 (n = 1) the tiny size of the checks.
+  Shortcuts change shape through a 1x1 projection.
 
 Batch normalisation as in Model Garden (momentum 0.99, epsilon 0.001); with
 `l2_weight_decay`, each kernel adds ``l2_weight_decay / 2 * ||w||^2`` to the
@@ -16,7 +17,12 @@ loss (Model Garden's convention).
 import keras
 
 IMAGENET_BLOCKS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
-CIFAR_DEPTHS = frozenset(6 * n + 2 for n in (3, 5, 7, 9, 18))  # 20, 32, 44, 56, 110
+
+
+def is_cifar_depth(depth):
+    """Whether `depth` is a CIFAR ResNet's, 6n + 2 with n >= 1 (8, 20, ..., 56, 110)."""
+    return depth >= 8 and (depth - 2) % 6 == 0
+
 
 _BN = {"momentum": 0.99, "epsilon": 0.001}
 
@@ -84,9 +90,9 @@ def resnet_v1_5(depth=50, input_shape=(224, 224, 3), num_classes=1001, l2_weight
 
 
 def cifar_resnet(depth=56, input_shape=(32, 32, 3), num_classes=10, l2_weight_decay=0.0):
-    """The CIFAR ResNet of `depth` = 6n + 2 (20, 32, 44, 56, 110); logits out."""
-    if depth not in CIFAR_DEPTHS:
-        raise ValueError(f"depth must be one of {sorted(CIFAR_DEPTHS)}. Received: {depth}")
+    """The CIFAR ResNet of `depth` = 6n + 2 (n >= 1: 8, 20, ..., 56, 110); logits out."""
+    if not is_cifar_depth(depth):
+        raise ValueError(f"depth must be 6n + 2 for some n >= 1 (8, 20, 56...). Received: {depth}")
     n = (depth - 2) // 6
     conv = _conv_kwargs(l2_weight_decay)
     inputs = keras.Input(input_shape)

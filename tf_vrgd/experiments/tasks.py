@@ -27,7 +27,7 @@ TASKS = {"bert": BertPretraining, "resnet": ImageClassification, "dlrm": Dlrm}
 # Overrides that shrink each task's model (the layer structure kept) to one
 # that builds and steps in about a second on a CPU: for checks of the code
 # paths (the tests, `scripts/check_paper_configs.py`, the device check's
-# dry run), not for training. `resnet` takes the CIFAR ResNet-20, on CIFAR's
+# dry run), not for training. `resnet` takes the CIFAR ResNet-8, on CIFAR's
 # images and classes whatever the config's.
 TINY_SIZES = {
     "bert": {
@@ -46,7 +46,7 @@ TINY_SIZES = {
         "task.model.top_mlp": [16, 1],
     },
     "resnet": {
-        "task.model.resnet.model_id": 20,
+        "task.model.resnet.model_id": 8,
         "task.model.input_size": [32, 32, 3],
         "task.model.num_classes": 10,
     },
