@@ -431,13 +431,13 @@ def _paired_line(results, best, pair, batch):
     base = _seed_accuracies(results, best[(pair, batch)])
     twin = _seed_accuracies(results, best[(f"vr_{pair}", batch)])
     mean, sd, half, seeds = paired_difference(twin, base)
-    verdict = ""
-    if math.isfinite(half):
-        verdict = "  inside the noise" if abs(mean) <= half else "  outside the noise"
+    label = f"vr_{pair} - {pair} b{batch} (seeds {', '.join(map(str, seeds))})".ljust(44)
+    if not math.isfinite(half):
+        return f"{label} {mean * 100:+.2f} (one seed: no interval)"
+    verdict = "inside the noise" if abs(mean) <= half else "outside the noise"
     return (
-        f"vr_{pair} - {pair} b{batch} (seeds {', '.join(map(str, seeds))})".ljust(44)
-        + f" {mean * 100:+.2f} sd {sd * 100:.2f} 95% [{(mean - half) * 100:+.2f}, "
-        f"{(mean + half) * 100:+.2f}]{verdict}"
+        f"{label} {mean * 100:+.2f} sd {sd * 100:.2f} 95% [{(mean - half) * 100:+.2f}, "
+        f"{(mean + half) * 100:+.2f}]  {verdict}"
     )
 
 

@@ -264,6 +264,9 @@ def test_study_report_and_plots_cover_each_pair(tmp_path):
     assert f"{label} {line}  outside the noise" in text
     assert "vr_lamb - lamb b8192 (seeds 0, 1, 2)" in text
     assert text.count("inside the noise") == 2 and text.count("outside the noise") == 2
+    one_seed = {k: r for k, r in results.items() if r["seed"] == 0}
+    label = "vr_lamb - lamb b4096 (seeds 0)".ljust(44)
+    assert f"{label} -1.00 (one seed: no interval)" in study.report(one_seed, args)
     paths = study.plot(results, args, str(tmp_path / "plots"))
     assert [os.path.basename(p) for p in paths] == ["rates.png", "scale.png", "samples.png"]
     # rates.png: a row of panels per pair, a column per batch.
