@@ -499,23 +499,31 @@ def plot(results, args, folder):
             ax.grid(alpha=0.3)
     paths.append(_save(fig, folder, "rates.png"))
 
+    # A row of panels per batch: each twin at its best rate, the lowest seed
+    # whose run folder (per-epoch metrics) this output holds.
     best = best_grid_rows(results, args)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for (name, batch), row in sorted(best.items()):
-        if not name.startswith("vr_"):
-            continue
-        metrics = os.path.join(args.output, "runs", key(row), "metrics.jsonl")
-        if not os.path.exists(metrics):
-            continue
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f]
-        epochs = [r["epoch"] + 1 for r in records]
-        label = f"{name} b{batch} x{row['lr_multiplier']:g}"
-        axes[0].plot(epochs, [r["gsnr_scale"] for r in records], label=label)
-        axes[1].plot(epochs, [r["gsnr_at_gamma"] for r in records], label=label)
-    axes[0].set_ylabel("mean applied scale (effective rate multiplier)")
-    axes[1].set_ylabel("fraction of elements at gamma")
-    reporting.label_axes(axes, "epoch")
+    fig, axes = plt.subplots(
+        len(args.batches), 2, figsize=(12, 4 * len(args.batches)), squeeze=False
+    )
+    for batch, (scale_ax, gamma_ax) in zip(args.batches, axes):
+        for (name, row_batch), row in sorted(best.items()):
+            if not name.startswith("vr_") or row_batch != batch:
+                continue
+            found = _first_metrics(results, row, args.output)
+            if found is None:
+                continue
+            seed, metrics = found
+            with open(metrics) as f:
+                records = [json.loads(line) for line in f]
+            epochs = [r["epoch"] + 1 for r in records]
+            label = f"{name} x{row['lr_multiplier']:g}" + (f" (seed {seed})" if seed else "")
+            scale_ax.plot(epochs, [r["gsnr_scale"] for r in records], label=label)
+            gamma_ax.plot(epochs, [r["gsnr_at_gamma"] for r in records], label=label)
+        scale_ax.set_ylabel("mean applied scale (effective rate multiplier)")
+        gamma_ax.set_ylabel("fraction of elements at gamma")
+        scale_ax.set_title(f"batch {batch}")
+        gamma_ax.set_title(f"batch {batch}")
+    reporting.label_axes(axes.ravel(), "epoch")
     paths.append(_save(fig, folder, "scale.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -536,6 +544,16 @@ def plot(results, args, folder):
     ax.grid(alpha=0.3)
     paths.append(_save(fig, folder, "samples.png"))
     return paths
+
+
+def _first_metrics(results, row, output):
+    """(seed, path) of the per-epoch metrics of `row`'s run at the lowest
+    seed whose run folder `output` holds, or None."""
+    for seed in sorted(_seed_accuracies(results, row)):
+        path = os.path.join(output, "runs", key({**row, "seed": seed}), "metrics.jsonl")
+        if os.path.exists(path):
+            return seed, path
+    return None
 
 
 def _accuracy_points(results, x, **fields):

@@ -267,11 +267,27 @@ def test_study_report_and_plots_cover_each_pair(tmp_path):
     one_seed = {k: r for k, r in results.items() if r["seed"] == 0}
     label = "vr_lamb - lamb b4096 (seeds 0)".ljust(44)
     assert f"{label} -1.00 (one seed: no interval)" in study.report(one_seed, args)
+    # The scale's per-epoch curve: from the lowest seed with a run folder.
+    vr_lars = next(r for r in rows if r["optimizer"] == "vr_lars" and r["seed"] == 0)
+    assert study._first_metrics(results, vr_lars, str(tmp_path)) is None
+    for seed in (1, 2):
+        folder = tmp_path / "runs" / study.key({**vr_lars, "seed": seed})
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text(
+            json.dumps({"epoch": 0, "gsnr_scale": 0.4, "gsnr_at_gamma": 0.3}) + "\n"
+        )
+    assert study._first_metrics(results, vr_lars, str(tmp_path)) == (
+        1,
+        str(tmp_path / "runs" / study.key({**vr_lars, "seed": 1}) / "metrics.jsonl"),
+    )
     paths = study.plot(results, args, str(tmp_path / "plots"))
     assert [os.path.basename(p) for p in paths] == ["rates.png", "scale.png", "samples.png"]
-    # rates.png: a row of panels per pair, a column per batch.
+    # rates.png: a row of panels per pair, a column per batch; scale.png: a
+    # row per batch.
     height, width = matplotlib.image.imread(paths[0]).shape[:2]
     assert (width, height) == (2 * 6 * 90, 2 * 3.5 * 90)
+    height, width = matplotlib.image.imread(paths[1]).shape[:2]
+    assert (width, height) == (12 * 90, 2 * 4 * 90)
 
 
 def test_study_interval_part_runs_each_n_at_the_twins_rates():
