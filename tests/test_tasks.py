@@ -327,6 +327,13 @@ def test_cifar_resnet_has_the_depth_it_is_named_for(depth):
     assert len(counted) == depth
 
 
+@pytest.mark.parametrize("depth", [50, 101, 152])
+def test_imagenet_depths_name_the_imagenet_resnet(depth):
+    # 50 and 152 are of the form 6n + 2 too: the ImageNet ResNet wins.
+    cfg = _cfg("imagenet_resnet50_vr_lars_32k.yaml", {"task.model.resnet.model_id": depth})
+    assert not tasks.from_config(cfg).cifar
+
+
 @pytest.mark.parametrize("depth", [2, 21, 34])
 def test_cifar_resnet_depths_other_than_6n_plus_2_are_refused(depth):
     cfg = _cfg("cifar10_resnet56_momentum_1k.yaml", {"task.model.resnet.model_id": depth})

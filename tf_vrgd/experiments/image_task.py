@@ -47,7 +47,7 @@ class ImageClassification(Task):
         if not self.cifar and self.depth not in resnet.IMAGENET_BLOCKS:
             raise ValueError(
                 f"task.model.resnet.model_id must be one of {sorted(resnet.IMAGENET_BLOCKS)} "
-                f"(ImageNet) or 6n + 2 for some n >= 1 (CIFAR: 8, 20, 56...). "
+                f"(ImageNet) or another 6n + 2 for some n >= 1 (CIFAR: 8, 20, 56...). "
                 f"Received: {self.depth}"
             )
         default_size = [32, 32, 3] if self.cifar else [224, 224, 3]

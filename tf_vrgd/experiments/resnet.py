@@ -20,8 +20,10 @@ IMAGENET_BLOCKS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
 
 
 def is_cifar_depth(depth):
-    """Whether `depth` is a CIFAR ResNet's, 6n + 2 with n >= 1 (8, 20, ..., 56, 110)."""
-    return depth >= 8 and (depth - 2) % 6 == 0
+    """Whether `depth` names a CIFAR ResNet: 6n + 2 with n >= 1 (8, 20, ..., 56,
+    110), except the ImageNet depths of that form (50 and 152), which name
+    the ImageNet ResNets."""
+    return depth >= 8 and (depth - 2) % 6 == 0 and depth not in IMAGENET_BLOCKS
 
 
 _BN = {"momentum": 0.99, "epsilon": 0.001}
@@ -92,7 +94,10 @@ def resnet_v1_5(depth=50, input_shape=(224, 224, 3), num_classes=1001, l2_weight
 def cifar_resnet(depth=56, input_shape=(32, 32, 3), num_classes=10, l2_weight_decay=0.0):
     """The CIFAR ResNet of `depth` = 6n + 2 (n >= 1: 8, 20, ..., 56, 110); logits out."""
     if not is_cifar_depth(depth):
-        raise ValueError(f"depth must be 6n + 2 for some n >= 1 (8, 20, 56...). Received: {depth}")
+        raise ValueError(
+            f"depth must be 6n + 2 for some n >= 1, other than {sorted(IMAGENET_BLOCKS)} "
+            f"(8, 20, 56...). Received: {depth}"
+        )
     n = (depth - 2) // 6
     conv = _conv_kwargs(l2_weight_decay)
     inputs = keras.Input(input_shape)
