@@ -417,21 +417,51 @@ def paired_difference(twin, base):
     return mean, sd, T_975[len(diffs) - 2] * sd / math.sqrt(len(diffs)), seeds
 
 
-def _seed_accuracies(results, row):
+# Fashion-MNIST has 10 balanced classes: a run that ends within a point of
+# 10% test accuracy has collapsed (its loss sits at ln 10, finite, so the
+# row's `diverged`, which marks a non-finite loss, stays false).
+CHANCE = 0.11
+
+
+def failed(row):
+    """Whether a run diverged (non-finite loss) or collapsed to chance."""
+    accuracy = row["final_test_accuracy"]
+    return row["diverged"] or not math.isfinite(accuracy) or accuracy <= CHANCE
+
+
+def _seed_rows(results, row):
     return {
-        r["seed"]: r["final_test_accuracy"]
+        r["seed"]: r
         for r in results.values()
         if _run_fields(r) == {**_run_fields(row), "seed": r["seed"]} and not r.get("follows")
     }
 
 
 def _paired_line(results, best, pair, batch):
+    """The paired difference's line; where a seed failed on either side, a
+    second line for the seeds where both trained."""
     if (pair, batch) not in best or (f"vr_{pair}", batch) not in best:
         return None
-    base = _seed_accuracies(results, best[(pair, batch)])
-    twin = _seed_accuracies(results, best[(f"vr_{pair}", batch)])
-    mean, sd, half, seeds = paired_difference(twin, base)
-    label = f"vr_{pair} - {pair} b{batch} (seeds {', '.join(map(str, seeds))})".ljust(44)
+    base = _seed_rows(results, best[(pair, batch)])
+    twin = _seed_rows(results, best[(f"vr_{pair}", batch)])
+    label = f"vr_{pair} - {pair} b{batch}"
+    text = _difference_text(label, twin, base)
+    lost = sorted(s for s in set(twin) & set(base) if failed(twin[s]) or failed(base[s]))
+    if lost:
+        kept = set(twin) - set(lost)
+        text += "\n" + _difference_text("  where both trained", {s: twin[s] for s in kept}, base)
+    return text
+
+
+def _difference_text(label, twin, base):
+    result = paired_difference(
+        {s: r["final_test_accuracy"] for s, r in twin.items()},
+        {s: r["final_test_accuracy"] for s, r in base.items()},
+    )
+    if result is None:
+        return f"{label:<44} no seed in common"
+    mean, sd, half, seeds = result
+    label = f"{label} (seeds {', '.join(map(str, seeds))})".ljust(44)
     if not math.isfinite(half):
         return f"{label} {mean * 100:+.2f} (one seed: no interval)"
     verdict = "inside the noise" if abs(mean) <= half else "outside the noise"
@@ -549,7 +579,7 @@ def plot(results, args, folder):
 def _first_metrics(results, row, output):
     """(seed, path) of the per-epoch metrics of `row`'s run at the lowest
     seed whose run folder `output` holds, or None."""
-    for seed in sorted(_seed_accuracies(results, row)):
+    for seed in sorted(_seed_rows(results, row)):
         path = os.path.join(output, "runs", key({**row, "seed": seed}), "metrics.jsonl")
         if os.path.exists(path):
             return seed, path

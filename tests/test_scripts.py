@@ -267,6 +267,22 @@ def test_study_report_and_plots_cover_each_pair(tmp_path):
     one_seed = {k: r for k, r in results.items() if r["seed"] == 0}
     label = "vr_lamb - lamb b4096 (seeds 0)".ljust(44)
     assert f"{label} -1.00 (one seed: no interval)" in study.report(one_seed, args)
+    # A seed that collapsed to chance (finite loss, `diverged` false) or
+    # diverged on either side: a second line for the seeds where both trained.
+    results[study.key({**rows[9], "seed": 1})]["final_test_accuracy"] = 0.10  # vr_lars b8192
+    results[study.key({**rows[12], "seed": 2})]["diverged"] = True  # lamb b4096
+    text = study.report(results, args)
+    for label, diffs in (
+        ("vr_lars - lars b8192 (seeds 0, 1, 2)", [2.0, 10.0 - 79.0, 3.0]),
+        ("  where both trained (seeds 0, 2)", [2.0, 3.0]),
+        ("vr_lamb - lamb b4096 (seeds 0, 1, 2)", [-1.0, 1.0, -3.0]),
+        ("  where both trained (seeds 0, 1)", [-1.0, 1.0]),
+    ):
+        diffs = np.array(diffs)
+        mean, sd = diffs.mean(), diffs.std(ddof=1)
+        half = {2: 12.706, 3: 4.303}[len(diffs)] * sd / np.sqrt(len(diffs))
+        assert f"{label.ljust(44)} {mean:+.2f} sd {sd:.2f} 95% [{mean - half:+.2f}, " in text
+    assert text.count("where both trained") == 2
     # The scale's per-epoch curve: from the lowest seed with a run folder.
     vr_lars = next(r for r in rows if r["optimizer"] == "vr_lars" and r["seed"] == 0)
     assert study._first_metrics(results, vr_lars, str(tmp_path)) is None
