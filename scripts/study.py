@@ -27,7 +27,8 @@ cosine decay) stretched to it, in four parts:
    at the rate the twin actually applied?
 4. `samples`: each twin at its best rate with k = 4, 8, 16, 32 gradient
    samples per update at the same global batch (replicas x accumulation;
-   schedules count updates, so every k takes the same number of updates).
+   schedules count updates, so every k takes the same number of updates),
+   seeds 0 to `--samples-seeds` - 1 (default: seed 0 only).
 
 Part `interval`, run only when named (`--parts interval`), trains each twin
 at its best grid rate (or the rate `--at vr_adam=4` gives) with
@@ -79,6 +80,9 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--seeds", type=int, default=2, help="seeds 0..N-1 at the best rates (part 2)"
+    )
+    parser.add_argument(
+        "--samples-seeds", type=int, default=1, help="seeds 0..N-1 at each k (part 4)"
     )
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS + EXTRA_PARTS)
     parser.add_argument(
@@ -258,7 +262,8 @@ def samples(results, args):
         if b != batch or not name.startswith("vr_"):
             continue
         for k in args.samples:
-            runs.append({**_run_fields(row), "k": k})
+            for seed in range(args.samples_seeds):
+                runs.append({**_run_fields(row), "k": k, "seed": seed})
     return runs
 
 
@@ -360,11 +365,13 @@ def report(results, args):
     lines.append("")
 
     lines += ["4. twins at their best rate, k samples per update at a fixed global batch", ""]
-    for r in sorted(
-        (r for r in results.values() if r["k"] != k and not r.get("follows")),
-        key=lambda r: (r["optimizer"], r["k"]),
-    ):
-        lines.append(_summary_line(f"{r['optimizer']} b{r['batch']} k={r['k']}", [r]))
+    by_k = {}
+    for r in results.values():
+        if r["k"] != k and not r.get("follows"):
+            by_k.setdefault((r["optimizer"], r["batch"], r["k"], r["lr_multiplier"]), []).append(r)
+    for (name, batch, samples_k, _), rows in sorted(by_k.items()):
+        rows.sort(key=lambda r: r["seed"])
+        lines.append(_summary_line(f"{name} b{batch} k={samples_k}", rows))
     for (name, batch), row in sorted(best.items()):
         if name.startswith("vr_") and batch == (args.samples_batch or max(args.batches)):
             lines.append(_summary_line(f"{name} b{batch} k={k} (part 1)", [row]))

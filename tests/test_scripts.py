@@ -114,6 +114,20 @@ def test_study_parts_follow_the_grid(tmp_path):
     assert fields["gradient_accumulation_steps"] == 8
     table = study.report(results, args)
     assert "86.00*" in table and "scale 0.375" in table
+    # --samples-seeds N: seeds 0..N-1 at each k; the report's part 4 gives
+    # each k's seeds on one line.
+    args = study.parse_args(["--batches", "4096", "--pairs", "momentum", "--samples-seeds", "2"])
+    samples = study.samples(results, args)
+    assert [(r["k"], r["seed"]) for r in samples] == [
+        (k, seed) for k in (4, 8, 16, 32) for seed in (0, 1)
+    ]
+    for seed, accuracy in ((1, 0.10), (0, 0.80)):
+        row = _study_row("vr_momentum", 4096, 1.0, seed, accuracy, k=16, scale=0.25 + seed / 4)
+        results[study.key(row)] = row
+    table = study.report(results, args)
+    assert "vr_momentum b4096 k=16".ljust(44) + " test  45.00 (80.00, 10.00)" in table
+    line = next(x for x in table.splitlines() if x.startswith("vr_momentum b4096 k=16"))
+    assert line.endswith("scale 0.375 at-gamma 0.50")
 
 
 def test_linear_regression_steps_to_target():
