@@ -16,8 +16,9 @@ batch (over the rate grid, as the paper reports), and the generalization
 gap of that run.
 
 Sizing: at the defaults (5 batch sizes, 3 rates, 4 epochs) the grid is 120
-runs plus 16 extra-seed runs. On 2 CPU cores a run takes 67-95 s at batches
-1024-8192 and about 2.2 min at 256: 3 to 4 hours in all (docs/RESULTS.md).
+runs plus 16 extra-seed runs. On 2 CPU cores a run took 67-95 s at batches
+1024-8192 and about 2.2 min at 256 when first run (3 to 4 hours in all);
+a later batch-256 grid took about 50 s a run (docs/RESULTS.md).
 """
 
 import argparse
