@@ -195,9 +195,13 @@ def best_grid_rows(results, args):
     return best
 
 
+def _diverged(row):
+    """A non-finite loss (the row's `diverged`) or accuracy."""
+    return row["diverged"] or not math.isfinite(row["final_test_accuracy"])
+
+
 def _score(row):
-    accuracy = row["final_test_accuracy"]
-    return accuracy if math.isfinite(accuracy) and not row["diverged"] else -1.0
+    return -1.0 if _diverged(row) else row["final_test_accuracy"]
 
 
 def seeds(results, args):
@@ -432,8 +436,7 @@ CHANCE = 0.11
 
 def failed(row):
     """Whether a run diverged (non-finite loss) or collapsed to chance."""
-    accuracy = row["final_test_accuracy"]
-    return row["diverged"] or not math.isfinite(accuracy) or accuracy <= CHANCE
+    return _diverged(row) or row["final_test_accuracy"] <= CHANCE
 
 
 def _seed_rows(results, row):
