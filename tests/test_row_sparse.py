@@ -276,3 +276,35 @@ def test_an_update_makes_no_tensor_of_the_table_size(strategy):
     assert not table_sized, table_sized
     step()
     assert int(optimizer.iterations.numpy()) == 1
+
+
+@pytest.mark.parametrize("name", ["VR-SGD", "VR-Adam"])
+def test_rows_with_accumulation_under_xla_on_one_device(name):
+    """`model.compile(jit_compile=True)` on one device compiles the whole
+    step: the accumulated rows are then a list whose size XLA knows only
+    at run time. Row 0 is looked up in every micro-step (the row XLA pads
+    such lists with), among 5 of 30 rows."""
+    case = CASES[name]
+    table_rows = 30
+    stream = row_stream(steps=6, replicas=1, rows_per_replica=5, seed=9, table_rows=table_rows)
+    for (replica,) in stream:
+        replica[0][0] = 0
+    initial = initial_weights(table_rows)
+    variables = [
+        keras.Variable(initial[0], name="embeddings"),
+        keras.Variable(initial[1], name="kernel"),
+    ]
+    optimizer = case.make(gradient_accumulation_steps=2)
+    optimizer.build(variables)
+    table_shape = tf.constant([table_rows, WIDTH], tf.int64)
+
+    @tf.function(jit_compile=True)
+    def step(ids, values, kernel):
+        optimizer.apply([tf.IndexedSlices(values, ids, table_shape), kernel], variables)
+
+    for ((ids, values, kernel),) in stream:
+        step(tf.constant(ids), tf.constant(values), tf.constant(kernel))
+    expected = reference(case, initial, dense_samples(stream, table_rows, accumulation=2))
+    assert_matches(
+        [v.numpy() for v in variables], expected, f"{name} row-sparse {{what}}, XLA, 1 x 2"
+    )

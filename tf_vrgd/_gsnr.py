@@ -812,7 +812,15 @@ class GSNRMixin:
             for target, rows_of_replicas in zip(targets, reduced):
                 variable, decays, scale_slot, momentum_slot, count_slot, _ = target
                 table_shape = tf.constant(variable.shape.as_list(), tf.int64)
-                gradient = functional.sum_duplicate_rows(rows_of_replicas)
+                # Each replica's rows are unique already: only rows from
+                # several replicas can repeat. (One replica under XLA must
+                # not call `tf.unique` on them either: on the run-time-sized
+                # list of accumulated rows it takes XLA's padding for rows.)
+                gradient = (
+                    functional.sum_duplicate_rows(rows_of_replicas)
+                    if replicas > 1
+                    else rows_of_replicas
+                )
                 rows = gradient.indices
                 if measure:
                     sums, squares = tf.split(gradient.values, 2, axis=-1)
