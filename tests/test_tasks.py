@@ -771,3 +771,46 @@ def test_synthetic_task_loss_falls(kind, tmp_path):
     records = _records(output / name)
     assert len(records) == 3
     assert records[-1]["train_loss"] < records[0]["train_loss"]
+
+
+def test_a_resume_over_other_input_files_is_refused_naming_them(tmp_path, capsys):
+    """The settings keep the files a glob matched (and their sizes), not the
+    glob: removing, adding or changing a matching file between two starts
+    is named, and resumes only with --accept-input-change."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for day in range(3):
+        task_data.write_criteo(str(data / f"day_{day}.tsv"), 16 + day)
+    output = str(tmp_path / "run")
+
+    def start(*flags):
+        argv = ["--config", os.path.join(PAPER, "dlrm_vr_sgd_64k.yaml"), "--output", output]
+        args = train.parse_args([*argv, *flags])
+        cfg = _cfg(
+            "dlrm_vr_sgd_64k.yaml",
+            {**TINY_DLRM, "task.train_data.input_path": str(data / "day_*.tsv")},
+        )
+        from tf_vrgd.experiments import task_runs
+
+        train.prepare_output(args, task_runs.TaskExperiment(cfg, replicas=2))
+
+    start()
+    start()  # the same files: resumes
+    os.remove(data / "day_1.tsv")
+    task_data.write_criteo(str(data / "day_3.tsv"), 16)
+    task_data.write_criteo(str(data / "day_2.tsv"), 40)
+    with pytest.raises(SystemExit) as refused:
+        start()
+    message = str(refused.value)
+    assert f"task.train_data: {data / 'day_1.tsv'} removed" in message
+    assert f"task.train_data: {data / 'day_3.tsv'} added" in message
+    assert f"{data / 'day_2.tsv'} " in message and " bytes now" in message
+    assert "--accept-input-change" in message
+    assert str(data / "day_0.tsv") not in message
+    start("--accept-input-change")
+    assert "resuming on changed input files" in capsys.readouterr().out
+    start()  # the new files are the recorded ones now
+    with open(os.path.join(output, run_folder.SETTINGS_FILE)) as f:
+        recorded = json.load(f)[run_folder.INPUT_FILES]["train"]
+    assert sorted(recorded) == [str(data / f"day_{d}.tsv") for d in (0, 2, 3)]
+    assert recorded[str(data / "day_2.tsv")] == os.path.getsize(data / "day_2.tsv")

@@ -128,13 +128,17 @@ def gsnr_entries(model, vr_optimizer):
 
 
 SETTINGS_FILE = "settings.json"
+# The settings' key of the input files (`{split: {file: bytes}}`), compared
+# file by file.
+INPUT_FILES = "input_files"
 
 
-def check_settings(output, settings, restart, write=True):
+def check_settings(output, settings, restart, write=True, accept_input_change=False):
     """Records `settings` in `output` (if `write`), or checks them against
     the ones a previous start recorded there: a resume must continue the
     same run. With `restart`, the folder's earlier results are discarded
-    instead."""
+    instead. With `accept_input_change`, a resume over other input files
+    goes on (and records them) instead of being refused."""
     path = os.path.join(output, SETTINGS_FILE)
     if restart:
         for entry in os.listdir(output):
@@ -152,18 +156,21 @@ def check_settings(output, settings, restart, write=True):
 
         # Compared field by field (dotted paths into nested blocks), so that
         # the message names the fields that changed, not the whole config.
+        # The input files are compared file by file below.
+        files_then = recorded.pop(INPUT_FILES, None)
         recorded = fields.leaves(recorded)
-        settings = fields.leaves(json.loads(json.dumps(settings)))  # as JSON reads it back
+        current = {k: v for k, v in settings.items() if k != INPUT_FILES}
+        current = fields.leaves(json.loads(json.dumps(current)))  # as JSON reads it back
         missing = "(unset)"
         changed = sorted(
             k
-            for k in set(recorded) | set(settings)
-            if recorded.get(k, missing) != settings.get(k, missing)
+            for k in set(recorded) | set(current)
+            if recorded.get(k, missing) != current.get(k, missing)
         )
         if changed:
             details = "; ".join(
                 f"{k}: {_short(recorded.get(k, missing))} then, "
-                f"{_short(settings.get(k, missing))} now"
+                f"{_short(current.get(k, missing))} now"
                 for k in changed
             )
             raise SystemExit(
@@ -171,9 +178,41 @@ def check_settings(output, settings, restart, write=True):
                 "Resuming would continue that run with these settings. Use a new --output, "
                 "or pass --restart to discard the folder's results and start over."
             )
-        return
+        # A folder from before the files were recorded has none to compare.
+        files_now = settings.get(INPUT_FILES, {})
+        changes = input_changes(files_then, files_now) if files_then is not None else []
+        if not changes:
+            return
+        if not accept_input_change:
+            raise SystemExit(
+                f"vrgd-train: {output} holds a run that read other input files "
+                f"({'; '.join(changes)}). Resuming would read on in a stream that is "
+                "neither the uninterrupted run's nor the new files' from the start. "
+                "Restore the files, use a new --output, pass --restart to start over, "
+                "or pass --accept-input-change to resume on these files."
+            )
+        print(f"vrgd-train: resuming on changed input files ({'; '.join(changes)})", flush=True)
     if write:
         _replace(path, lambda f: json.dump(settings, f, indent=2, sort_keys=True))
+
+
+def input_changes(then, now):
+    """What differs between two ``{split: {file: bytes}}`` records, one
+    text per split and kind of change (removed, added, resized)."""
+    changes = []
+    for split in sorted(set(then) | set(now)):
+        before, after = then.get(split, {}), now.get(split, {})
+        removed = sorted(set(before) - set(after))
+        added = sorted(set(after) - set(before))
+        resized = sorted(f for f in set(before) & set(after) if before[f] != after[f])
+        if removed:
+            changes.append(f"task.{split}_data: {', '.join(removed)} removed")
+        if added:
+            changes.append(f"task.{split}_data: {', '.join(added)} added")
+        if resized:
+            sizes = ", ".join(f"{f} {before[f]} then, {after[f]} bytes now" for f in resized)
+            changes.append(f"task.{split}_data: {sizes}")
+    return changes
 
 
 def _short(value):

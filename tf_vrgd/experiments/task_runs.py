@@ -123,6 +123,27 @@ class TaskExperiment:
             "replicas": self.replicas,
             "synthetic": self.synthetic,
             "compare": bool(compare),
+            run_folder.INPUT_FILES: self.input_files(),
+        }
+
+    def input_files(self):
+        """``{split: {file: bytes}}`` of the files the run reads ({} for
+        synthetic input). Recorded with the settings: the stream a resumed
+        run reads on is the uninterrupted run's only over the same files,
+        and a glob names no files."""
+        if self.synthetic:
+            return {}
+        import tensorflow as tf
+
+        from tf_vrgd.experiments.records import input_files
+
+        return {
+            split: {
+                name: int(tf.io.gfile.stat(name).length)
+                for name in input_files(self.task.input_path(split))
+            }
+            for split in ("train", "validation")
+            if self.has_input(split)
         }
 
     def runs(self, compare):

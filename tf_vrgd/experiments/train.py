@@ -127,6 +127,12 @@ def parse_args(argv=None):
         "start over (needed to reuse a folder with other settings)",
     )
     parser.add_argument(
+        "--accept-input-change",
+        action="store_true",
+        help="paper tasks: resume although the input files differ from the ones the "
+        "run started on (refused otherwise: the stream would be neither run's)",
+    )
+    parser.add_argument(
         "--worker-timeout",
         type=_positive_int,
         default=600,
@@ -161,7 +167,13 @@ def prepare_output(args, experiment, write=True):
     if args.deterministic:
         tf.config.experimental.enable_op_determinism()
     os.makedirs(args.output, exist_ok=True)
-    check_settings(args.output, experiment.settings(args.compare), args.restart, write)
+    check_settings(
+        args.output,
+        experiment.settings(args.compare),
+        args.restart,
+        write,
+        accept_input_change=args.accept_input_change,
+    )
     check_runs(experiment, args.compare)
 
 
