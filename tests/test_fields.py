@@ -103,3 +103,55 @@ def test_checked_fields_keep_their_values():
     assert cfg["task"]["train_data"] == {"global_batch_size": 64, "input_path": "/a/x,/b/y"}
     assert cfg["task"]["model"]["input_size"] == [32, 32, 3]
     assert cfg["trainer"]["checkpoint_interval"] is None  # unset
+
+
+@pytest.mark.parametrize(
+    "extra, key, nearest",
+    [
+        (
+            {"trainer": {"checkpoint_intervall": 2}},
+            "trainer.checkpoint_intervall",
+            "trainer.checkpoint_interval",
+        ),
+        ({"trainr": {"train_steps": 2}}, "trainr.train_steps", "trainer.train_steps"),
+        (
+            {"task": {"train_data": {"shuffle_bufer_size": 10}}},
+            "task.train_data.shuffle_bufer_size",
+            None,
+        ),
+    ],
+)
+def test_an_unknown_key_of_the_config_file_is_refused_with_the_nearest(
+    extra, key, nearest, tmp_path
+):
+    """A misspelt key in the file trained on defaults before; it is refused
+    as an unknown --override key is, naming the nearest field."""
+    import yaml
+
+    with open(FASHION) as f:
+        cfg = yaml.safe_load(f)
+
+    def merge(into, values):
+        for name, value in values.items():
+            if isinstance(value, dict):
+                merge(into.setdefault(name, {}), value)
+            else:
+                into[name] = value
+
+    merge(cfg, extra)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    message = _main(str(config), tmp_path / "out")
+    assert message.startswith(f"vrgd-train: {config}: {key}: vrgd-train reads no field"), message
+    assert f"Did you mean {nearest}?" in message if nearest else "Did you mean" in message
+
+
+def test_every_key_of_the_shipped_configs_is_a_field_vrgd_train_reads():
+    import glob
+
+    from tf_vrgd import config
+
+    paths = glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True)
+    assert len(paths) > 100
+    for path in paths:
+        fields.check_config_keys(config.load(path), path)

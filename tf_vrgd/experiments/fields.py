@@ -48,6 +48,17 @@ def _path_or_paths(name, value):
     return _string(name, value)
 
 
+def _true(name, value):
+    """Model Garden's `task.losses.one_hot`: the image tasks here train on
+    one-hot labels only."""
+    if _validation.check_bool(name, value) is not True:
+        raise ValueError(
+            f"`{name}` must be true: vrgd-train's image tasks train on one-hot labels. "
+            f"Received: {name}={value!r}"
+        )
+    return value
+
+
 _POSITIVE = _integer(1)
 _PROBABILITY = _number(0.0, 1.0, high_open=True)
 
@@ -69,6 +80,7 @@ FIELDS = {
     "task.init_checkpoint": _string,
     "task.losses.label_smoothing": _PROBABILITY,
     "task.losses.l2_weight_decay": _number(0.0),
+    "task.losses.one_hot": _true,
     # the Fashion-MNIST CNN
     "task.model.type": _string,
     "task.model.width": _POSITIVE,
@@ -151,19 +163,38 @@ def leaves(tree, prefix=""):
     return found
 
 
+def _unknown(key, known):
+    """None if `key` is a field of `known` (dotted paths), one of their
+    blocks, or under a block another reader checks; else the hint that
+    names the nearest known key ("" if none)."""
+    blocks = {path.rsplit(".", i)[0] for path in known for i in range(path.count(".") + 1)}
+    if key in blocks or key.startswith(CHECKED_ELSEWHERE):
+        return None
+    nearest = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.0)
+    return f" Did you mean {nearest[0]}?" if nearest else ""
+
+
+def check_config_keys(cfg, source):
+    """Raises ValueError for a key of the config file `source` that is not
+    a field `vrgd-train` reads (a misspelt key would otherwise leave its
+    field at the default), naming the nearest known key as
+    `check_override_keys` does."""
+    for key in leaves(cfg):
+        hint = _unknown(key, FIELDS)
+        if hint is not None:
+            raise ValueError(f"{source}: {key}: vrgd-train reads no field by that name.{hint}")
+
+
 def check_override_keys(cfg, overrides):
     """Raises ValueError for an ``--override KEY=VALUE`` whose KEY is neither
     in `cfg` nor a field `vrgd-train` reads (nor under a block another
     reader checks), naming the nearest known key."""
     known = set(leaves(cfg)) | set(FIELDS)
-    blocks = {path.rsplit(".", i)[0] for path in known for i in range(path.count(".") + 1)}
     for override in overrides:
         key = override.partition("=")[0].strip()
-        if key in blocks or key.startswith(CHECKED_ELSEWHERE):
-            continue
-        nearest = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.0)
-        hint = f" Did you mean {nearest[0]}?" if nearest else ""
-        raise ValueError(
-            f"--override {key}: the config has no such field and vrgd-train reads none by "
-            f"that name.{hint}"
-        )
+        hint = _unknown(key, known)
+        if hint is not None:
+            raise ValueError(
+                f"--override {key}: the config has no such field and vrgd-train reads none by "
+                f"that name.{hint}"
+            )

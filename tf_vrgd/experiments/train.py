@@ -187,6 +187,7 @@ def main(argv=None):
 
     try:
         cfg = config.load(args.config)
+        fields.check_config_keys(cfg, args.config)
         fields.check_override_keys(cfg, args.override)
         cfg = fields.check(apply_overrides(cfg, args.override))
     except ValueError as error:
