@@ -119,14 +119,20 @@ def raw_gsnr(samples, epsilon=1e-6):
     variance = np.maximum(second - mean**2, 0.0)
     denominator = np.maximum(variance, epsilon * second)
     raw = np.zeros_like(mean)
-    positive = second > 0
+    positive = _measured(second)
     raw[positive] = mean[positive] ** 2 / denominator[positive]
     return raw, mean
 
 
+def _measured(second):
+    with np.errstate(invalid="ignore"):
+        return (second > 0) & np.isfinite(second)
+
+
 def measured(samples):
-    """The elements with a GSNR: s > 0 (docs/algorithms.md §2)."""
-    return np.square(np.asarray(samples, np.float64)).mean(axis=0) > 0
+    """The elements with a GSNR: a finite s > 0 (docs/algorithms.md §2)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _measured(np.square(np.asarray(samples, np.float64)).mean(axis=0))
 
 
 def gsnr_scale(samples, gamma, epsilon=1e-6):

@@ -238,11 +238,14 @@ def raw_gsnr(gradient_mean: tf.Tensor, second_moment: tf.Tensor, epsilon: Scalar
 
 
 def measured_elements(second_moment: tf.Tensor) -> tf.Tensor:
-    """Where the GSNR exists: the elements with s > 0, those for which some
-    sample is non-zero (docs/algorithms.md §2). An element with s == 0 (a
-    row of an embedding table that no sample looked up, a dead unit) takes
-    no part in the layer mean and leaves its GSNR momentum as it was."""
-    return second_moment > 0.0
+    """Where the GSNR exists: the elements with a finite s > 0, those for
+    which some sample is non-zero and none is Inf or NaN (docs/algorithms.md
+    §2). An element with s == 0 (a row of an embedding table that no sample
+    looked up, a dead unit) takes no part in the layer mean and leaves its
+    GSNR momentum as it was; so does an element with a non-finite sample,
+    so that it spoils its own update only (as in Keras' optimizers), not
+    its layer's mean."""
+    return tf.logical_and(second_moment > 0.0, second_moment < float("inf"))
 
 
 def normalized_clipped_gsnr(
@@ -251,9 +254,8 @@ def normalized_clipped_gsnr(
     """Divides by the layer (variable) mean and clips to [gamma, 1].
 
     Eq. 8 and 9 of the paper. The mean is over the `measured` elements
-    (`measured_elements`; all of them if None); `raw_gsnr` is 0 elsewhere,
-    so it is the sum over all over the measured count. Where the layer mean
-    is 0 (no signal at all) the normalised ratio is 1 everywhere:
+    (`measured_elements`; all of them if None). Where the layer mean is 0
+    (no signal at all) the normalised ratio is 1 everywhere:
     `divide_no_nan` gives 0 there, and the lower clip is then 1 instead of
     gamma.
     """
@@ -261,7 +263,8 @@ def normalized_clipped_gsnr(
         layer_mean = tf.reduce_mean(gsnr)
     else:
         layer_mean = tf.math.divide_no_nan(
-            tf.reduce_sum(gsnr), tf.reduce_sum(tf.cast(measured, tf.float32))
+            tf.reduce_sum(_where_measured(measured, gsnr)),
+            tf.reduce_sum(tf.cast(measured, tf.float32)),
         )
     floor = tf.where(layer_mean > 0.0, tf.cast(gamma, tf.float32), 1.0)
     return tf.clip_by_value(tf.math.divide_no_nan(gsnr, layer_mean), floor, 1.0)
@@ -287,6 +290,8 @@ def segment_normalized_clipped_gsnr(
         for a variable without any) and the float32 number of measured
         elements of each.
     """
+    if measured is not None:
+        gsnr = _where_measured(measured, gsnr)
     totals = tf.math.unsorted_segment_sum(
         tf.cast(gsnr, tf.float64), segment_ids, num_segments=len(sizes)
     )
@@ -320,7 +325,7 @@ def segment_gsnr_statistics(
         [tf.cast(scale <= gamma, tf.float32), tf.cast(scale >= 1.0, tf.float32), applied], axis=1
     )
     if measured is not None:
-        columns *= tf.cast(measured, tf.float32)[:, None]
+        columns = _where_measured(measured[:, None], columns)
     sums = tf.math.unsorted_segment_sum(columns, segment_ids, tf.shape(counts)[0])
     return tf.concat([layer_means[:, None], tf.math.divide_no_nan(sums, counts[:, None])], axis=1)
 
@@ -352,9 +357,16 @@ def gsnr_statistics(
     columns.append(tf.broadcast_to(applied, tf.shape(gsnr)))
     if measured is None:
         return tf.stack([tf.reduce_mean(c) for c in columns])
-    weight = tf.cast(measured, tf.float32)
-    count = tf.reduce_sum(weight)
-    return tf.stack([tf.math.divide_no_nan(tf.reduce_sum(c * weight), count) for c in columns])
+    count = tf.reduce_sum(tf.cast(measured, tf.float32))
+    return tf.stack(
+        [tf.math.divide_no_nan(tf.reduce_sum(_where_measured(measured, c)), count) for c in columns]
+    )
+
+
+def _where_measured(measured: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
+    """`values` where `measured`, 0 elsewhere (a select, not a product:
+    an unmeasured element may hold NaN, and NaN * 0 is NaN)."""
+    return tf.where(measured, values, tf.zeros_like(values))
 
 
 def gsnr_momentum(
