@@ -167,11 +167,27 @@ def _warmup(steps):
     return {"type": "linear", "linear": {"warmup_steps": int(steps)}}
 
 
+def _rates_as_floats(tree):
+    """`tree` with every `*learning_rate` value a float: Model Garden's
+    trainer keeps a YAML integer (a rate of 16) as an integer, and its
+    tf_keras schedules then fail to compute in int32."""
+    if isinstance(tree, dict):
+        return {
+            k: float(v)
+            if k.endswith("learning_rate") and isinstance(v, int)
+            else _rates_as_floats(v)
+            for k, v in tree.items()
+        }
+    return tree
+
+
 def _write(path, header, cfg):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("".join(f"# {line}\n" if line else "#\n" for line in header))
-        yaml.safe_dump(cfg, f, sort_keys=False, default_flow_style=None, width=100)
+        yaml.safe_dump(
+            _rates_as_floats(cfg), f, sort_keys=False, default_flow_style=None, width=100
+        )
     return path
 
 
