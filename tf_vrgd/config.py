@@ -29,6 +29,7 @@ accepted; a field this package cannot honour raises too. YAML is read with
 a `yaml.SafeLoader` (no arbitrary objects).
 """
 
+from collections.abc import Callable
 import dataclasses
 import inspect
 import math
@@ -655,10 +656,18 @@ def _build_optimizer(parsed, learning_rate, extra):
     if parsed.inner is not None:
         return LARC(_build_optimizer(parsed.inner, learning_rate, extra), **parsed.fields)
     accumulation = parsed.fields.get("gradient_accumulation_steps")
-    if accumulation and accumulation > 1:
+    if accumulation and accumulation > 1 and not _reads_its_own_step(learning_rate):
         # The block's step counts are updates (see schedules.PerUpdate).
         learning_rate = schedules.PerUpdate(learning_rate, accumulation)
     return OPTIMIZER_TYPES[parsed.kind].build(learning_rate, parsed.fields, extra)
+
+
+def _reads_its_own_step(learning_rate):
+    """A callable of no arguments (not a schedule of the step): it counts
+    updates itself."""
+    return callable(learning_rate) and not isinstance(
+        learning_rate, keras.optimizers.schedules.LearningRateSchedule
+    )
 
 
 def optimizer_from_config(cfg: dict | str | os.PathLike) -> keras.optimizers.Optimizer:
@@ -684,3 +693,25 @@ def optimizer_from_config(cfg: dict | str | os.PathLike) -> keras.optimizers.Opt
     parsed = _parse_optimizer("optimizer", _optimizer_block(block))
     learning_rate = learning_rate_from_config(block)
     return _build_optimizer(parsed, learning_rate, _ema_kwargs(block))
+
+
+def optimizer_from_fields(
+    kind: str, fields: dict, learning_rate: float | Callable = 0.001
+) -> keras.optimizers.Optimizer:
+    """A Keras 3 optimizer from one `optimizer` type's fields, as a config's
+    ``optimizer.<kind>`` block holds them (Model Garden's names; checked,
+    defaults filled in), with `learning_rate`: a float or a schedule (whose
+    steps count updates, as the block's do), or a callable of no arguments
+    (which counts updates itself under gradient accumulation).
+
+    Model Garden's factory builds its optimizers this way, from a config
+    dataclass' fields; `tf_vrgd.model_garden` registers it.
+    Raises ValueError for an unknown type or field, or a bad value.
+    """
+    if kind not in OPTIMIZER_TYPES:
+        raise ValueError(
+            f"Unknown optimizer type {kind!r}. Accepted: {sorted(OPTIMIZER_TYPES)} "
+            "(LARC wraps one of them: see `optimizer_from_config`)."
+        )
+    parsed = _parse_optimizer("optimizer", {"type": kind, kind: dict(fields)})
+    return _build_optimizer(parsed, learning_rate, {})
