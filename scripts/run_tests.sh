@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment (./.venv), installs tf_vrgd with its test
-# extras, and runs the whole test suite. Extra arguments go to pytest.
+# Sets up two virtual environments and runs the whole test suite: ./.venv
+# (tf_vrgd with its test extras) for everything but tests/model_garden,
+# then ./.venv-mg (the Model Garden stack: tf_keras and Model Garden) for
+# tests/model_garden. Extra arguments go to both pytest runs.
 #
-# The suite runs on one process per core, at most four (pytest-xdist; each
+# Each run uses one process per core, at most four (pytest-xdist; each
 # test process splits the CPU into four logical devices of its own): on
 # two cores, two processes took 0.64 of one's time (964 s against 1513 s,
 # README, Test). TF_VRGD_TEST_WORKERS sets the number (0: no worker
@@ -11,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 ensure_venv test
+ensure_model_garden_venv
 workers="${TF_VRGD_TEST_WORKERS:-$(
     .venv/bin/python -c 'import os; print(min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(), 4))'
 )}"
@@ -19,4 +22,6 @@ if [ "$workers" -le 1 ]; then
 fi
 # worksteal: an idle process takes tests queued for a busy one, so that the
 # long end-to-end tests near the end of the collection do not leave a core idle.
-exec .venv/bin/python -m pytest -n "$workers" --dist worksteal "$@"
+.venv/bin/python -m pytest -n "$workers" --dist worksteal --ignore=tests/model_garden "$@"
+echo "--- tests/model_garden, in .venv-mg (tf_keras and Model Garden) ---"
+.venv-mg/bin/python -m pytest -n "$workers" --dist worksteal tests/model_garden "$@"

@@ -151,7 +151,12 @@ def test_every_key_of_the_shipped_configs_is_a_field_vrgd_train_reads():
 
     from tf_vrgd import config
 
-    paths = glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True)
+    # Those vrgd-train reads (configs/model_garden is for Model Garden's trainer).
+    paths = [
+        path
+        for folder in ("paper", "fashion_mnist")
+        for path in glob.glob(os.path.join(ROOT, "configs", folder, "*.yaml"))
+    ]
     assert len(paths) > 100
     for path in paths:
         fields.check_config_keys(config.load(path), path)

@@ -1,0 +1,65 @@
+"""`import tf_vrgd.model_garden` registers the VR types in Model Garden's
+optimizer factory: the optimization block of every shipped VR config, built
+by Model Garden's own `OptimizerFactory`, is the optimizer that
+`tf_vrgd.config.optimizer_from_config` builds from it (the same arguments
+and the same learning rate along the schedule)."""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tf_keras")
+pytest.importorskip("official")
+
+from official.modeling.optimization import optimizer_factory
+
+from tf_vrgd import config
+import tf_vrgd.model_garden as model_garden
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VR_CONFIGS = sorted(
+    path
+    for path in glob.glob(os.path.join(ROOT, "configs", "*", "*.yaml"))
+    if config.optimization_block(path)["optimizer"]["type"] in model_garden.VR_TYPES
+)
+
+
+def _model_garden_optimizer(block):
+    factory = optimizer_factory.OptimizerFactory(model_garden.OptimizationConfig(block))
+    return factory.build_optimizer(factory.build_learning_rate())
+
+
+def test_every_vr_type_is_registered_and_the_configs_use_them():
+    for kind in model_garden.VR_TYPES:
+        assert optimizer_factory.LEGACY_OPTIMIZERS_CLS[kind].__module__.startswith("tf_vrgd")
+    # lars and lamb stay Model Garden's own.
+    assert not optimizer_factory.LEGACY_OPTIMIZERS_CLS["lars"].__module__.startswith("tf_vrgd")
+    assert len(VR_CONFIGS) > 40
+
+
+@pytest.mark.parametrize("path", VR_CONFIGS, ids=os.path.basename)
+def test_a_shipped_vr_config_builds_the_same_optimizer_in_model_garden(path):
+    block = config.optimization_block(path)
+    face = _model_garden_optimizer(block)
+    ours = config.optimizer_from_config(block)
+    got, expected = face.keras_optimizer.get_config(), ours.get_config()
+    for key in ("learning_rate", "name"):
+        got.pop(key), expected.pop(key)
+    assert got == expected
+    # The rate along the schedule: Model Garden's tf_keras schedule read at
+    # the face's update count, ours at the Keras 3 optimizer's.
+    accumulation = ours.gradient_accumulation_steps or 1
+    total = int(config.load(path)["trainer"]["train_steps"])
+    for update in np.linspace(0, total, 7).astype(int):
+        for optimizer in (face.keras_optimizer, ours):
+            counter = next(v for v in optimizer.variables if v.path.endswith("/iteration"))
+            counter.assign(update * accumulation)  # micro-steps
+        np.testing.assert_allclose(
+            float(face.keras_optimizer.learning_rate),
+            float(ours.learning_rate),
+            rtol=1e-5,
+            atol=1e-9,
+            err_msg=f"update {update}",
+        )

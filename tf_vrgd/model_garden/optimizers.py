@@ -1,0 +1,206 @@
+"""tf_keras faces of the package's optimizers, for TF Model Garden's trainer.
+
+Model Garden (`official`, from tf-models-official or tf-models-nightly)
+still builds its optimizers with tf_keras (Keras 2): its factory takes
+`tf_keras.optimizers.legacy.Optimizer` classes, and its `Task.train_step`
+calls `optimizer.apply_gradients` in replica context. The package's
+optimizers are Keras 3 classes.
+
+Each face here is a `tf_keras.optimizers.legacy.Optimizer` that owns the
+Keras 3 optimizer of the same name (its twin, built with the same
+arguments) and hands it the gradients. The rule is therefore written once,
+in the Keras 3 class and `tf_vrgd.functional`; a face holds argument
+names, the learning rate and the state's tracking, nothing of the rule. It
+works because a Keras 3 optimizer updates the `tf.Variable`s of a tf_keras
+model directly, and because the VR twins gather their per-replica moments
+inside `apply`, in the replica context where Model Garden calls it (under
+`MirroredStrategy` and `MultiWorkerMirroredStrategy` alike).
+
+- Learning rate: a float or a tf_keras `LearningRateSchedule` (what Model
+  Garden's factory passes), read at the twin's `iterations`, which the
+  face's `iterations` is.
+- State: the twin is tracked as ``keras_optimizer``, so a
+  `tf.train.Checkpoint` of the face (Model Garden's checkpoints) saves and
+  restores the whole state, slots, accumulators and the update count, under
+  the twin's names (``optimizer/keras_optimizer/...``), not tf_keras'
+  per-variable slot names. A checkpoint restored before the first step is
+  applied when the twin builds its slots (deferred restoration).
+- `get_config` gives the twin's arguments and the learning rate as tf_keras
+  serializes it; `from_config` rebuilds the face.
+- Not taken: tf_keras' `gradient_aggregator` and `gradient_transformers`
+  (the twin reduces the gradients itself; transformers would change them
+  after the VR moments are taken), and tf_keras' `decay`.
+"""
+
+import inspect
+
+import tensorflow as tf
+import tf_keras
+
+import tf_vrgd
+
+
+class KerasOptimizerFace(tf_keras.optimizers.legacy.Optimizer):
+    """A tf_keras optimizer that applies the gradients with a Keras 3
+    optimizer of class `keras_class` (set by each subclass), built from
+    the face's arguments.
+
+    Args:
+        learning_rate: Float or a tf_keras `LearningRateSchedule`. Defaults
+            to the Keras 3 class' default.
+        name: The optimizer's name. Defaults to the Keras 3 class' default.
+        **kwargs: The Keras 3 class' arguments, with its names and defaults
+            (checked there).
+    """
+
+    keras_class = None
+
+    def __init__(self, learning_rate=None, name=None, **kwargs):
+        refuse_tf_keras_arguments(type(self).__name__, kwargs)
+        if learning_rate is None:
+            learning_rate = _default(self.keras_class, "learning_rate")
+        # The twin checks the arguments and names itself as the Keras 3
+        # class does.
+        self._wrap(
+            self.keras_class(learning_rate=self._current_learning_rate, name=name, **kwargs),
+            learning_rate,
+        )
+
+    def _wrap(self, twin, learning_rate):
+        """Makes this face the tf_keras side of `twin`, built with the
+        face's `_current_learning_rate` as its learning rate, which reads
+        `learning_rate` (a float or a tf_keras schedule) at the twin's
+        update count. (Called before the face is initialised: the twin
+        calls that method only when it applies gradients.)"""
+        super().__init__(twin.name)
+        self._set_hyper("learning_rate", learning_rate)
+        self._keras_optimizer = twin
+        self._track_trackable(twin, name="keras_optimizer")
+
+    @property
+    def keras_optimizer(self):
+        """The Keras 3 optimizer that applies the updates."""
+        return self._keras_optimizer
+
+    @property
+    def iterations(self):
+        """The number of updates (not micro-steps, with gradient
+        accumulation): the twin's."""
+        return self._keras_optimizer.iterations
+
+    def _current_learning_rate(self):
+        rate = self._hyper["learning_rate"]
+        if isinstance(rate, tf_keras.optimizers.schedules.LearningRateSchedule):
+            # Updates, with gradient accumulation too (Keras 3's
+            # `iterations`), as Model Garden's schedules count them.
+            # An int64 step, as tf_keras' own optimizers pass theirs.
+            step = tf.cast(self._keras_optimizer.iterations, tf.int64)
+            return tf.cast(rate(step), tf.float32)
+        return tf.cast(rate, tf.float32)
+
+    def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
+        """Applies the gradients with the twin, in replica context (the twin
+        reduces them across replicas). Returns the update count."""
+        if not experimental_aggregate_gradients:
+            raise ValueError(
+                f"{type(self).__name__} reduces the gradients across replicas itself "
+                "(its VR moments need each replica's gradient): "
+                "experimental_aggregate_gradients=False is not supported."
+            )
+        grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not grads_and_vars:
+            return self.iterations
+        grads, variables = (list(x) for x in zip(*grads_and_vars))
+        if not self._keras_optimizer.built:
+            replica_context = tf.distribute.get_replica_context()
+            if tf.distribute.has_strategy() and replica_context is not None:
+                # In cross-replica context: built in one replica's thread, a
+                # checkpoint restored before the first step (deferred
+                # restoration) reached the first device's copies of the
+                # slots only.
+                replica_context.merge_call(lambda _: self._build(variables))
+            else:
+                self._build(variables)
+        self._keras_optimizer.apply(grads, variables)
+        return self.iterations
+
+    def _build(self, variables):
+        # Outside the step function, as tf_keras' own optimizers make their
+        # slots.
+        with tf.init_scope():
+            self._keras_optimizer.build(variables)
+
+    def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
+        grads_and_vars = self._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
+        return self.apply_gradients(grads_and_vars, name=name)
+
+    def variables(self):
+        """The twin's variables: every slot and the update count."""
+        return self._keras_optimizer.variables
+
+    @property
+    def weights(self):
+        return self.variables()
+
+    def get_config(self):
+        config = {
+            k: v
+            for k, v in self._keras_optimizer.get_config().items()
+            if k not in ("learning_rate", "name")
+        }
+        return {
+            "name": self._name,
+            "learning_rate": self._serialize_hyperparameter("learning_rate"),
+            **config,
+        }
+
+    def _resource_apply_dense(self, grad, handle, apply_state):
+        raise NotImplementedError("The face applies its gradients through its Keras 3 twin.")
+
+    def _resource_apply_sparse(self, grad, handle, indices, apply_state):
+        raise NotImplementedError("The face applies its gradients through its Keras 3 twin.")
+
+
+def refuse_tf_keras_arguments(face_name, kwargs):
+    """Removes tf_keras' own arguments from `kwargs` when unset (Model
+    Garden's factory may pass them), and refuses them when set."""
+    for unsupported in ("gradient_aggregator", "gradient_transformers", "decay"):
+        if kwargs.get(unsupported):
+            raise ValueError(
+                f"{face_name} does not take tf_keras' `{unsupported}`: the Keras 3 "
+                "optimizer it wraps reduces and uses the gradients itself."
+            )
+        kwargs.pop(unsupported, None)
+
+
+def _default(cls, argument):
+    """`argument`'s default in `cls`' constructor, or None."""
+    parameter = inspect.signature(cls.__init__).parameters.get(argument)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
+
+
+def _face(keras_class):
+    return type(
+        keras_class.__name__,
+        (KerasOptimizerFace,),
+        {
+            "keras_class": keras_class,
+            "__doc__": f"tf_keras face of `tf_vrgd.{keras_class.__name__}` "
+            "(`KerasOptimizerFace`): the same arguments, defaults and config.",
+            "__module__": __name__,
+        },
+    )
+
+
+LARS = _face(tf_vrgd.LARS)
+LAMB = _face(tf_vrgd.LAMB)
+AdamWeightDecay = _face(tf_vrgd.AdamWeightDecay)
+VRSGD = _face(tf_vrgd.VRSGD)
+VRAdam = _face(tf_vrgd.VRAdam)
+VRLARS = _face(tf_vrgd.VRLARS)
+VRLAMB = _face(tf_vrgd.VRLAMB)
+
+#: Every face, by the class name it shares with its Keras 3 twin.
+FACES = {cls.__name__: cls for cls in (LARS, LAMB, AdamWeightDecay, VRSGD, VRAdam, VRLARS, VRLAMB)}

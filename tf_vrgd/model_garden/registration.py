@@ -1,0 +1,133 @@
+"""The VR optimizers in TF Model Garden's optimizer factory and configs.
+
+Registers, under the names the package's configs use (`vr_sgd`,
+`vr_adam`, `vr_lamb`, `vr_lars`), a tf_keras face (`optimizers`) built by
+`tf_vrgd.config.optimizer_from_fields` from the type's fields, and
+defines Model Garden config dataclasses with those fields:
+`OptimizerConfig` (Model Garden's one-of, plus the four VR types) and
+`OptimizationConfig` (using it), the pattern of Model Garden's own
+project-specific optimizers. An experiment whose
+`trainer.optimizer_config` is an `OptimizationConfig` of this module reads
+a config file's ``optimizer: {type: vr_lamb, vr_lamb: {...}}`` block.
+
+The fields of each dataclass are `tf_vrgd.config.OPTIMIZER_TYPES[kind]`'s,
+with their defaults, so that a config block means the same under
+`vrgd-train` and under Model Garden's trainer. `lars` and `lamb` keep
+Model Garden's own optimizers: the package's `lars` and `lamb` types
+implement Model Garden's rules with Model Garden's field names, so a
+config naming them trains the same rule under either trainer.
+"""
+
+import dataclasses
+
+from official.modeling import optimization
+from official.modeling.optimization import optimizer_factory
+from official.modeling.optimization.configs import optimizer_config
+
+from tf_vrgd import config
+from tf_vrgd.model_garden.optimizers import KerasOptimizerFace, refuse_tf_keras_arguments
+
+#: The optimizer types this module registers.
+VR_TYPES = ("vr_sgd", "vr_adam", "vr_lamb", "vr_lars")
+
+
+def _annotation(name, default):
+    """The dataclass type of a field (Model Garden's configs check
+    assignments against it)."""
+    if name.startswith(("exclude_", "include_")):
+        return list[str] | None
+    if name == "name":
+        return str | None
+    if isinstance(default, bool):
+        return bool
+    if isinstance(default, int) and name != "gradient_accumulation_steps":
+        return int
+    if name == "gradient_accumulation_steps":
+        return int | None
+    return float | None
+
+
+def _config_class(kind):
+    table = config.OPTIMIZER_TYPES[kind].fields
+    left_out = {f.name for f in dataclasses.fields(optimizer_config.BaseOptimizerConfig)}
+    if "eeta" in table:
+        # Model Garden's factory passes every field, and the LARS types
+        # take one of `eeta` (Model Garden's name, the configs') and
+        # `trust_coefficient`.
+        left_out.add("trust_coefficient")
+    fields = [
+        (name, _annotation(name, default), dataclasses.field(default=default))
+        for name, default in table.items()
+        if name not in left_out
+    ]
+    camel = "".join(part.upper() if part == "vr" else part.title() for part in kind.split("_"))
+    return dataclasses.make_dataclass(
+        f"{camel}Config",
+        fields,
+        bases=(optimizer_config.BaseOptimizerConfig,),
+        namespace={
+            "__doc__": f"Fields of the `{kind}` optimizer type "
+            f"(`tf_vrgd.config.OPTIMIZER_TYPES['{kind}']`, Model Garden's names).",
+            "__module__": __name__,
+        },
+    )
+
+
+def _factory_class(kind):
+    """The class Model Garden's factory calls with a `kind` config's fields
+    and the learning rate: a face whose twin `tf_vrgd.config` builds from
+    those fields."""
+
+    def __init__(self, learning_rate=0.001, **fields):
+        refuse_tf_keras_arguments(type(self).__name__, fields)
+        self._fields = fields
+        twin = config.optimizer_from_fields(kind, fields, self._current_learning_rate)
+        self._wrap(twin, learning_rate)
+
+    def get_config(self):
+        return {
+            "learning_rate": self._serialize_hyperparameter("learning_rate"),
+            **self._fields,
+        }
+
+    return type(
+        f"ModelGarden_{kind}",
+        (KerasOptimizerFace,),
+        {
+            "__init__": __init__,
+            "get_config": get_config,
+            "__doc__": f"The `{kind}` type in Model Garden's factory (Model Garden's field names).",
+            "__module__": __name__,
+        },
+    )
+
+
+CONFIG_CLASSES = {kind: _config_class(kind) for kind in VR_TYPES}
+FACTORY_CLASSES = {kind: _factory_class(kind) for kind in VR_TYPES}
+
+OptimizerConfig = dataclasses.make_dataclass(
+    "OptimizerConfig",
+    [(kind, cls, dataclasses.field(default_factory=cls)) for kind, cls in CONFIG_CLASSES.items()],
+    bases=(optimization.OptimizerConfig,),
+    namespace={
+        "__doc__": "Model Garden's optimizer one-of with the VR types added.",
+        "__module__": __name__,
+    },
+)
+
+
+@dataclasses.dataclass
+class OptimizationConfig(optimization.OptimizationConfig):
+    """Model Garden's optimization config whose `optimizer` takes the VR
+    types too."""
+
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+
+
+def register():
+    """Registers every VR type in Model Garden's factory (for tf_keras'
+    legacy optimizers, which Model Garden builds by default); a second call
+    does nothing."""
+    for kind, cls in FACTORY_CLASSES.items():
+        if optimizer_factory.LEGACY_OPTIMIZERS_CLS.get(kind) is not cls:
+            optimizer_factory.register_optimizer_cls(kind, cls, use_legacy_optimizer=True)
