@@ -704,14 +704,11 @@ def optimizer_from_fields(
     steps count updates, as the block's do), or a callable of no arguments
     (which counts updates itself under gradient accumulation).
 
-    Model Garden's factory builds its optimizers this way, from a config
-    dataclass' fields; `tf_vrgd.model_garden` registers it.
-    Raises ValueError for an unknown type or field, or a bad value.
+    `kind` is a type of `OPTIMIZER_TYPES`, or `larc`, whose fields hold the
+    inner ``optimizer`` block. Model Garden's factory builds its optimizers
+    this way, from a config dataclass' fields; `tf_vrgd.model_garden`
+    registers it. Raises ValueError for an unknown type or field, or a bad
+    value.
     """
-    if kind not in OPTIMIZER_TYPES:
-        raise ValueError(
-            f"Unknown optimizer type {kind!r}. Accepted: {sorted(OPTIMIZER_TYPES)} "
-            "(LARC wraps one of them: see `optimizer_from_config`)."
-        )
     parsed = _parse_optimizer("optimizer", {"type": kind, kind: dict(fields)})
     return _build_optimizer(parsed, learning_rate, {})

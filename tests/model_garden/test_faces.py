@@ -168,3 +168,31 @@ def test_a_restore_before_the_first_update_reaches_every_device(strategy, tmp_pa
     )
     fresh = momentum.numpy() - 0.9 * before
     assert np.all(fresh >= 0.1 * 0.1 - 1e-6) and np.all(fresh <= 0.1 + 1e-6)
+
+
+def _larc_face():
+    return optimizers.LARC(optimizers.VRSGD(0.5, momentum=0.9), trust_coefficient=0.05)
+
+
+def test_the_larc_face_updates_as_its_keras_3_twin(strategy):
+    stream = helpers.gradient_stream(SHAPES, steps=4, replicas=4, scales=[1, 0.1, 2, 0.5])
+    with strategy.scope():
+        variables = [tf.Variable(w) for w in _initial()]
+        face = _larc_face()
+    _apply_face(strategy, face, variables, stream)
+    with strategy.scope():
+        twin_variables = [keras.Variable(w) for w in _initial()]
+        twin = tf_vrgd.LARC(tf_vrgd.VRSGD(0.5, momentum=0.9), trust_coefficient=0.05)
+    helpers.apply_stream_mirrored(strategy, twin, twin_variables, stream)
+    for g, e in zip(variables, twin_variables):
+        ref.assert_close(g.numpy(), e.numpy(), "LARC(VRSGD) tf_keras face vs Keras 3 twin")
+    assert int(face.iterations.numpy()) == 4
+
+
+def test_the_larc_face_config_round_trips():
+    config = _larc_face().get_config()
+    assert config["trust_coefficient"] == 0.05 and config["optimizer"]["class_name"] == "VRSGD"
+    again = optimizers.LARC.from_config(config)
+    assert again.get_config() == {**config, "name": again.get_config()["name"]}
+    with pytest.raises(ValueError, match=r"face of tf_vrgd\.model_garden\.optimizers"):
+        optimizers.LARC(tf_vrgd.VRSGD(0.1))

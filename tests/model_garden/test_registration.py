@@ -63,3 +63,33 @@ def test_a_shipped_vr_config_builds_the_same_optimizer_in_model_garden(path):
             atol=1e-9,
             err_msg=f"update {update}",
         )
+
+
+@pytest.mark.parametrize("inner", ["vr_sgd", "sgd", "lamb"])
+def test_a_larc_block_builds_the_same_optimizer_in_model_garden(inner):
+    """`larc` around a VR type or one of Model Garden's own types (built by
+    the package as `tf_vrgd.config` reads them)."""
+    fields = {"momentum": 0.9} if "sgd" in inner else {"weight_decay_rate": 0.01}
+    block = {
+        "optimizer": {
+            "type": "larc",
+            "larc": {
+                "trust_coefficient": 0.01,
+                "clip": False,
+                "optimizer": {"type": inner, inner: fields},
+            },
+        },
+        "learning_rate": {"type": "constant", "constant": {"learning_rate": 0.1}},
+    }
+    face = _model_garden_optimizer(block)
+    ours = config.optimizer_from_config(block)
+    got, expected = face.keras_optimizer.get_config(), ours.get_config()
+    got_inner, expected_inner = got.pop("optimizer"), expected.pop("optimizer")
+    got.pop("name"), expected.pop("name")
+    assert got == expected
+    assert got_inner["class_name"] == expected_inner["class_name"]
+    got_inner, expected_inner = got_inner["config"], expected_inner["config"]
+    for key in ("learning_rate", "name"):
+        got_inner.pop(key), expected_inner.pop(key)
+    assert got_inner == expected_inner
+    assert float(face.keras_optimizer.learning_rate) == pytest.approx(0.1)

@@ -83,13 +83,20 @@ class KerasOptimizerFace(tf_keras.optimizers.legacy.Optimizer):
         return self._keras_optimizer
 
     @property
+    def learning_rate_argument(self):
+        """The learning rate the face was given: a float or a tf_keras
+        schedule (tf_keras' `learning_rate` attribute makes a variable of a
+        float)."""
+        return self._hyper["learning_rate"]
+
+    @property
     def iterations(self):
         """The number of updates (not micro-steps, with gradient
         accumulation): the twin's."""
         return self._keras_optimizer.iterations
 
     def _current_learning_rate(self):
-        rate = self._hyper["learning_rate"]
+        rate = self.learning_rate_argument
         if isinstance(rate, tf_keras.optimizers.schedules.LearningRateSchedule):
             # Updates, with gradient accumulation too (Keras 3's
             # `iterations`), as Model Garden's schedules count them.
@@ -202,5 +209,53 @@ VRAdam = _face(tf_vrgd.VRAdam)
 VRLARS = _face(tf_vrgd.VRLARS)
 VRLAMB = _face(tf_vrgd.VRLAMB)
 
+
+class LARC(KerasOptimizerFace):
+    """tf_keras face of `tf_vrgd.LARC` around another face of this module
+    (its twin wraps the inner face's twin): `tf_vrgd.LARC`'s arguments and
+    defaults. The learning rate is the inner face's.
+
+    Args:
+        optimizer: A face of this module (`VRSGD(...)`, `LAMB(...)`, ...).
+        **kwargs: `tf_vrgd.LARC`'s other arguments (`trust_coefficient`,
+            `clip`, `epsilon`, `weight_decay`, `name`).
+    """
+
+    keras_class = tf_vrgd.LARC
+
+    def __init__(self, optimizer, **kwargs):
+        refuse_tf_keras_arguments(type(self).__name__, kwargs)
+        kwargs.pop("learning_rate", None)  # the inner optimizer's
+        if not isinstance(optimizer, KerasOptimizerFace) or isinstance(optimizer, LARC):
+            raise ValueError(
+                "`optimizer` must be a face of tf_vrgd.model_garden.optimizers other than "
+                "LARC (e.g. VRSGD(0.1)): LARC's face wraps its Keras 3 twin. "
+                f"Received: optimizer={optimizer!r}"
+            )
+        self._inner = optimizer
+        self._wrap(
+            tf_vrgd.LARC(optimizer.keras_optimizer, **kwargs),
+            optimizer.learning_rate_argument,
+        )
+
+    def get_config(self):
+        config = {
+            k: v
+            for k, v in self._keras_optimizer.get_config().items()
+            if k not in ("optimizer", "name")
+        }
+        inner = {"class_name": type(self._inner).__name__, "config": self._inner.get_config()}
+        return {"name": self._name, "optimizer": inner, **config}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = config.pop("optimizer")
+        optimizer = FACES[inner["class_name"]].from_config(inner["config"], custom_objects)
+        return cls(optimizer, **config)
+
+
 #: Every face, by the class name it shares with its Keras 3 twin.
-FACES = {cls.__name__: cls for cls in (LARS, LAMB, AdamWeightDecay, VRSGD, VRAdam, VRLARS, VRLAMB)}
+FACES = {
+    cls.__name__: cls for cls in (LARS, LAMB, AdamWeightDecay, VRSGD, VRAdam, VRLARS, VRLAMB, LARC)
+}

@@ -27,7 +27,7 @@ from official.modeling.optimization.configs import optimizer_config
 from tf_vrgd import config
 from tf_vrgd.model_garden.optimizers import KerasOptimizerFace, refuse_tf_keras_arguments
 
-#: The optimizer types this module registers.
+#: The VR optimizer types this module registers (and `larc`).
 VR_TYPES = ("vr_sgd", "vr_adam", "vr_lamb", "vr_lars")
 
 
@@ -105,8 +105,9 @@ def _factory_class(kind):
 CONFIG_CLASSES = {kind: _config_class(kind) for kind in VR_TYPES}
 FACTORY_CLASSES = {kind: _factory_class(kind) for kind in VR_TYPES}
 
-OptimizerConfig = dataclasses.make_dataclass(
-    "OptimizerConfig",
+# What LARC wraps: Model Garden's one-of with the VR types (not LARC).
+InnerOptimizerConfig = dataclasses.make_dataclass(
+    "InnerOptimizerConfig",
     [(kind, cls, dataclasses.field(default_factory=cls)) for kind, cls in CONFIG_CLASSES.items()],
     bases=(optimization.OptimizerConfig,),
     namespace={
@@ -114,6 +115,50 @@ OptimizerConfig = dataclasses.make_dataclass(
         "__module__": __name__,
     },
 )
+
+
+@dataclasses.dataclass
+class LARCConfig(optimizer_config.BaseOptimizerConfig):
+    """Fields of the `larc` type (`tf_vrgd.LARC`'s arguments) and the
+    optimizer it wraps."""
+
+    name: str | None = None
+    trust_coefficient: float = config.LARC_FIELDS["trust_coefficient"]
+    clip: bool = config.LARC_FIELDS["clip"]
+    epsilon: float = config.LARC_FIELDS["epsilon"]
+    weight_decay: float = config.LARC_FIELDS["weight_decay"]
+    optimizer: InnerOptimizerConfig = dataclasses.field(default_factory=InnerOptimizerConfig)
+
+
+@dataclasses.dataclass
+class OptimizerConfig(InnerOptimizerConfig):
+    """Model Garden's optimizer one-of with the VR types and `larc`."""
+
+    larc: LARCConfig = dataclasses.field(default_factory=LARCConfig)
+
+
+class ModelGardenLARC(KerasOptimizerFace):
+    """The `larc` type in Model Garden's factory: LARC around any type the
+    package reads (the VR types, and Model Garden's `sgd`, `adam`, `adamw`,
+    `lamb`, `lars` as `tf_vrgd.config` builds them)."""
+
+    def __init__(self, learning_rate=0.001, optimizer=None, **fields):
+        refuse_tf_keras_arguments(type(self).__name__, fields)
+        # Model Garden passes the whole inner one-of: keep the chosen type.
+        kind = (optimizer or {}).get("type")
+        inner = {"type": kind, kind: (optimizer or {}).get(kind) or {}}
+        self._fields = {**fields, "optimizer": inner}
+        twin = config.optimizer_from_fields("larc", self._fields, self._current_learning_rate)
+        self._wrap(twin, learning_rate)
+
+    def get_config(self):
+        return {
+            "learning_rate": self._serialize_hyperparameter("learning_rate"),
+            **self._fields,
+        }
+
+
+FACTORY_CLASSES["larc"] = ModelGardenLARC
 
 
 @dataclasses.dataclass
@@ -125,7 +170,7 @@ class OptimizationConfig(optimization.OptimizationConfig):
 
 
 def register():
-    """Registers every VR type in Model Garden's factory (for tf_keras'
+    """Registers every VR type and `larc` in Model Garden's factory (for tf_keras'
     legacy optimizers, which Model Garden builds by default); a second call
     does nothing."""
     for kind, cls in FACTORY_CLASSES.items():
