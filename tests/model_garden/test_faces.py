@@ -196,3 +196,30 @@ def test_the_larc_face_config_round_trips():
     assert again.get_config() == {**config, "name": again.get_config()["name"]}
     with pytest.raises(ValueError, match=r"face of tf_vrgd\.model_garden\.optimizers"):
         optimizers.LARC(tf_vrgd.VRSGD(0.1))
+
+
+def test_a_loss_scale_optimizer_around_a_face(strategy):
+    """tf_keras' LossScaleOptimizer (Model Garden's under float16) around a
+    face: finite gradients update as the face alone; an overflow on one
+    replica only skips the update on every replica and halves the scale."""
+    stream = helpers.gradient_stream(SHAPES, steps=3, replicas=4)
+    expected, _ = _run_face(strategy, "VRAdam", stream)
+    with strategy.scope():
+        variables = [tf.Variable(w) for w in _initial()]
+        wrapped = tf_keras.mixed_precision.LossScaleOptimizer(
+            optimizers.VRAdam(**ARGUMENTS["VRAdam"])
+        )
+    _apply_face(strategy, wrapped, variables, stream)
+    for g, e in zip(variables, expected):
+        ref.assert_close(g.numpy(), e, "VRAdam face in a LossScaleOptimizer")
+    scale = float(wrapped.loss_scale.numpy())
+    overflow = helpers.gradient_stream(SHAPES, steps=1, replicas=4, seed=9)
+    overflow[0][2][0][1, 1] = np.inf
+    before = [v.numpy() for v in variables]
+    _apply_face(strategy, wrapped, variables, overflow)
+    for b, v in zip(before, variables):
+        for copy in v.values:
+            np.testing.assert_array_equal(copy.numpy(), b)
+    # tf_keras counts a skipped step (Model Garden's global step does too).
+    assert int(wrapped.inner_optimizer.iterations.numpy()) == 4
+    assert float(wrapped.loss_scale.numpy()) == scale / 2

@@ -27,6 +27,10 @@ inside `apply`, in the replica context where Model Garden calls it (under
   applied when the twin builds its slots (deferred restoration).
 - `get_config` gives the twin's arguments and the learning rate as tf_keras
   serializes it; `from_config` rebuilds the face.
+- tf_keras' `LossScaleOptimizer` (Model Garden's under float16) wraps a
+  face: the face keeps each replica's gradients apart where the wrapper
+  would reduce them, and makes an overflow on any replica visible to the
+  wrapper's check of the first one, so that every replica skips the update.
 - Not taken: tf_keras' `gradient_aggregator` and `gradient_transformers`
   (the twin reduces the gradients itself; transformers would change them
   after the VR moments are taken), and tf_keras' `decay`.
@@ -92,8 +96,11 @@ class KerasOptimizerFace(tf_keras.optimizers.legacy.Optimizer):
     @property
     def iterations(self):
         """The number of updates (not micro-steps, with gradient
-        accumulation): the twin's."""
-        return self._keras_optimizer.iterations
+        accumulation): the twin's. Without accumulation it is the twin's
+        counter itself, a `tf.Variable` (tf_keras' LossScaleOptimizer adds a
+        skipped step to it, as tf_keras counts one)."""
+        iterations = self._keras_optimizer.iterations
+        return getattr(iterations, "value", iterations)
 
     def _current_learning_rate(self):
         rate = self.learning_rate_argument
@@ -106,17 +113,19 @@ class KerasOptimizerFace(tf_keras.optimizers.legacy.Optimizer):
         return tf.cast(rate, tf.float32)
 
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
-        """Applies the gradients with the twin, in replica context (the twin
-        reduces them across replicas). Returns the update count."""
-        if not experimental_aggregate_gradients:
-            raise ValueError(
-                f"{type(self).__name__} reduces the gradients across replicas itself "
-                "(its VR moments need each replica's gradient): "
-                "experimental_aggregate_gradients=False is not supported."
-            )
+        """Applies each replica's gradients with the twin, in replica
+        context (the twin reduces them across replicas). Returns `_done()`.
+
+        `experimental_aggregate_gradients=False` is how tf_keras'
+        LossScaleOptimizer calls it, after `_aggregate_gradients` (below),
+        which leaves each replica's gradients its own: they are reduced
+        here all the same. Gradients already reduced by the caller would be
+        reduced twice.
+        """
+        del experimental_aggregate_gradients  # see the docstring
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
         if not grads_and_vars:
-            return self.iterations
+            return _done()
         grads, variables = (list(x) for x in zip(*grads_and_vars))
         if not self._keras_optimizer.built:
             replica_context = tf.distribute.get_replica_context()
@@ -129,7 +138,31 @@ class KerasOptimizerFace(tf_keras.optimizers.legacy.Optimizer):
             else:
                 self._build(variables)
         self._keras_optimizer.apply(grads, variables)
-        return self.iterations
+        return _done()
+
+    def _aggregate_gradients(self, grads_and_vars):
+        """What tf_keras' LossScaleOptimizer calls before it checks the
+        gradients and calls `apply_gradients`: each replica's gradients stay
+        its own (the twin reduces them, and the VR twins need them apart),
+        but where any replica's are non-finite, every replica's become NaN
+        (one scalar all-reduced). The wrapper decides from the first
+        replica's gradients; so every replica skips the same update, and
+        the loss scale falls."""
+        if self._keras_optimizer.gradient_accumulation_steps:
+            raise ValueError(
+                f"{type(self).__name__} with gradient_accumulation_steps cannot run in tf_keras' "
+                "LossScaleOptimizer, which counts a skipped step as an update: train float16 "
+                "without accumulation, or accumulate in float32 or bfloat16."
+            )
+        grads_and_vars = list(grads_and_vars)
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return grads_and_vars
+        values = [getattr(g, "values", g) for g, _ in grads_and_vars if g is not None]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+        spoiled = context.all_reduce("sum", 1.0 - tf.cast(finite, tf.float32))
+        offset = tf.where(spoiled > 0.0, float("nan"), 0.0)
+        return [(_plus(g, offset), v) for g, v in grads_and_vars]
 
     def _build(self, variables):
         # Outside the step function, as tf_keras' own optimizers make their
@@ -178,6 +211,27 @@ def refuse_tf_keras_arguments(face_name, kwargs):
                 "optimizer it wraps reduces and uses the gradients itself."
             )
         kwargs.pop(unsupported, None)
+
+
+def _done():
+    """What `apply_gradients` returns: one value for every replica, made in
+    cross-replica context as tf_keras' optimizers make theirs (tf_keras'
+    LossScaleOptimizer puts it in a `tf.cond` whose other branch returns
+    such a value)."""
+    context = tf.distribute.get_replica_context()
+    if tf.distribute.has_strategy() and context is not None:
+        return context.merge_call(lambda _: tf.constant(True))
+    return tf.constant(True)
+
+
+def _plus(gradient, offset):
+    """`gradient` + the scalar `offset` (a `tf.IndexedSlices` on its rows)."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values + tf.cast(offset, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient + tf.cast(offset, gradient.dtype)
 
 
 def _default(cls, argument):
