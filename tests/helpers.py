@@ -1,6 +1,8 @@
 """Shared test fixtures: small models with scaled weights, gradient streams,
 and drivers that apply them eagerly, in `tf.function` or per replica."""
 
+import socket
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -25,6 +27,11 @@ def make_model(seed=0, weight_scales=(3.0, 0.5, 0.2, 0.05)):
         ]
     )
     return model
+
+
+def model_shapes():
+    """The shapes of `make_model()`'s variables, in order."""
+    return [w.shape for w in make_model().get_weights()]
 
 
 def gradient_stream(shapes, steps, replicas=1, scales=None, seed=1):
@@ -113,3 +120,24 @@ def run_mirrored(strategy, make_optimizer, stream):
     initial = model.get_weights()
     apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
     return initial, model.get_weights(), optimizer
+
+
+def free_ports(count):
+    """`count` free TCP ports on 127.0.0.1 (for local multi-worker clusters)."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def compile_classifier(model, optimizer, **kwargs):
+    """`model` compiled with `optimizer` and a sparse cross-entropy on logits."""
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **kwargs,
+    )
+    return model

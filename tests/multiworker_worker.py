@@ -25,8 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import tensorflow as tf
 
-from tests import helpers
-from tests import test_row_sparse as rows
+from tests import helpers, rows
 import tf_vrgd
 
 UPDATES = 4
@@ -34,14 +33,10 @@ VR_MOMENTUM = dict(learning_rate=0.05, momentum=0.9, gamma=0.2)
 VR_ADAM = dict(learning_rate=0.01, gamma=0.2)
 
 
-def shapes():
-    return [w.shape for w in helpers.make_model().get_weights()]
-
-
 def four_replica_stream():
     """[updates][4 replicas][variables]: the samples of the VR-Adam run."""
     return helpers.gradient_stream(
-        shapes(), UPDATES, replicas=4, scales=[1.0, 0.1, 3.0, 0.01], seed=7
+        helpers.model_shapes(), UPDATES, replicas=4, scales=[1.0, 0.1, 3.0, 0.01], seed=7
     )
 
 
@@ -53,7 +48,7 @@ def two_worker_micro_steps(stream):
 
 def two_worker_stream():
     """[updates][2 replicas][variables]: the samples of the VR-Momentum run."""
-    return helpers.gradient_stream(shapes(), UPDATES, replicas=2, seed=3)
+    return helpers.gradient_stream(helpers.model_shapes(), UPDATES, replicas=2, seed=3)
 
 
 ROW_RUNS = {

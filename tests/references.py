@@ -320,3 +320,13 @@ class VRReference:
                 i, self.weights[i], self.last[i] * mean, self.slots[i], self.t
             )
         return self.weights
+
+
+def run_lars(weights, stream, lr, decays=None, adapts=None, **hyper):
+    """The weights after LARS applies `stream`."""
+    return run(weights, lars(lr, decays, adapts or decays, **hyper), stream)
+
+
+def run_larc_sgd(weights, stream, lr, momentum=0.0, nesterov=False, **larc):
+    """The weights after LARC around Keras SGD applies `stream`."""
+    return run(weights, larc(sgd(lr, momentum, nesterov), lr, **larc), stream)

@@ -4,6 +4,7 @@ python batches, ImageNet TFRecords with JPEGs, Criteo TSV lines. Each
 writer returns what it wrote, for the tests to compare the decoded input
 against."""
 
+import json
 import os
 import pickle
 
@@ -132,3 +133,36 @@ def write_criteo(path, count, seed=0):
             ]
             f.write("\t".join([str(label), *ints, *cats]) + "\n")
     return labels, dense
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER = os.path.join(ROOT, "configs", "paper")
+
+
+def _tiny(task):
+    from tf_vrgd.experiments import tasks
+
+    return {**tasks.TINY_SIZES[task], "task.train_data.global_batch_size": 16}
+
+
+# Overrides that make each paper task small enough for a test.
+TINY_BERT = _tiny("bert")
+TINY_DLRM = _tiny("dlrm")
+TINY_CIFAR = _tiny("resnet")
+
+
+def paper_config(name, overrides):
+    """The experiment `configs/paper/<name>` with `overrides` ({dotted key:
+    value}) applied as `--override` applies them."""
+    from tf_vrgd import config
+    from tf_vrgd.experiments import experiment_config
+
+    return experiment_config.apply_overrides(
+        config.load(os.path.join(PAPER, name)),
+        [f"{k}={json.dumps(v)}" for k, v in overrides.items()],
+    )
+
+
+def flat(batch):
+    """The tensors of a (nested) batch as numpy arrays, in order."""
+    return [np.asarray(t) for t in tf.nest.flatten(batch)]

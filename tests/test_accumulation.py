@@ -40,14 +40,10 @@ CASES = {
 }
 
 
-def _shapes():
-    return [w.shape for w in helpers.make_model().get_weights()]
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_accumulation_matches_reference_on_four_replicas(strategy, case):
     make, rule = CASES[case]
-    stream = helpers.gradient_stream(_shapes(), UPDATES * STEPS, replicas=4, seed=21)
+    stream = helpers.gradient_stream(helpers.model_shapes(), UPDATES * STEPS, replicas=4, seed=21)
     initial, got, optimizer = helpers.run_mirrored(strategy, make, stream)
     expected = ref.run(initial, rule, _mean_per_update(stream, STEPS))
     ref.assert_all_close(got, expected, f"{case} (4 replicas x {STEPS} micro-steps)", rtol=1e-4)
@@ -58,7 +54,7 @@ def test_weight_decay_matches_keras_accumulation_on_one_device(strategy):
     """Keras' decoupled weight decay and rate per update are kept: four
     replicas give the weights of Keras' own SGD accumulating the replicas'
     mean gradient on one device."""
-    stream = helpers.gradient_stream(_shapes(), UPDATES * STEPS, replicas=4, seed=22)
+    stream = helpers.gradient_stream(helpers.model_shapes(), UPDATES * STEPS, replicas=4, seed=22)
     kwargs = dict(momentum=0.5, weight_decay=0.1, gradient_accumulation_steps=STEPS)
     _, got, _ = helpers.run_mirrored(strategy, lambda: tf_vrgd.SGD(LR, **kwargs), stream)
 
@@ -98,7 +94,7 @@ def test_fit_with_accumulation_under_mirrored_strategy_for_config_types(strategy
 def test_mid_accumulation_state_survives_save_and_load(strategy, tmp_path):
     """A `.keras` save between micro-steps keeps the partial sum: the loaded
     optimizer finishes the update as if uninterrupted."""
-    stream = helpers.gradient_stream(_shapes(), UPDATES * STEPS, replicas=4, seed=23)
+    stream = helpers.gradient_stream(helpers.model_shapes(), UPDATES * STEPS, replicas=4, seed=23)
     _, expected, _ = helpers.run_mirrored(strategy, CASES["Adam"][0], stream)
 
     with strategy.scope():

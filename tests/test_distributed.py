@@ -11,8 +11,6 @@ import pytest
 
 from tests import helpers
 from tests import references as ref
-from tests.test_larc import reference_larc_sgd
-from tests.test_lars import reference_lars
 import tf_vrgd
 
 STEPS = 5
@@ -20,7 +18,7 @@ SCALES = [1e-2, 5.0, 0.05, 0.3]
 
 
 def _stream(replicas):
-    shapes = [w.shape for w in helpers.make_model().get_weights()]
+    shapes = helpers.model_shapes()
     return helpers.gradient_stream(shapes, STEPS, replicas=replicas, scales=SCALES, seed=7)
 
 
@@ -31,7 +29,7 @@ def test_lars_under_mirrored_strategy_uses_reduced_gradient(strategy):
         strategy, lambda: tf_vrgd.LARS(0.5, exclude_from_weight_decay=["bias"], **hyper), stream
     )
     decays = [True, False, True, False]
-    expected = reference_lars(
+    expected = ref.run_lars(
         initial, helpers.mean_over_replicas(stream), 0.5, decays=decays, adapts=decays, **hyper
     )
     ref.assert_all_close(got, expected, "LARS (4 replicas)")
@@ -45,7 +43,7 @@ def test_larc_under_mirrored_strategy_uses_reduced_gradient(strategy, clip):
     initial, got, optimizer = helpers.run_mirrored(
         strategy, lambda: tf_vrgd.LARC(keras.optimizers.SGD(0.1, momentum=0.9), **larc), stream
     )
-    expected = reference_larc_sgd(
+    expected = ref.run_larc_sgd(
         initial, helpers.mean_over_replicas(stream), 0.1, momentum=0.9, **larc
     )
     ref.assert_all_close(got, expected, "LARC(SGD) (4 replicas)")

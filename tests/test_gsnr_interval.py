@@ -12,11 +12,10 @@ import tensorflow as tf
 
 from tests import helpers
 from tests import references as ref
-from tests.test_vr import (
+from tests.vr_cases import (  # the fixture: `path` picks
     CASES,
     SCALES,
-    _shapes,
-    update_path,  # noqa: F401 (the autouse fixture: `path` picks)
+    update_path,  # noqa: F401
 )
 import tf_vrgd
 from tf_vrgd import config
@@ -36,7 +35,9 @@ def _reference(case, initial, samples_per_update, interval=INTERVAL):
 @pytest.mark.parametrize("path", ["packed", "mixed", "fused"])
 @pytest.mark.parametrize("case", CASES)
 def test_interval_matches_reference_on_four_replicas(strategy, case, path):
-    stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=31)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=31
+    )
     initial, got, optimizer = helpers.run_mirrored(
         strategy, lambda: CASES[case].make(gsnr_interval=INTERVAL), stream
     )
@@ -51,7 +52,9 @@ def test_interval_matches_reference_on_four_replicas(strategy, case, path):
 @pytest.mark.parametrize("case", ["VR-Momentum", "VR-Adam", "VR-LARS"])
 def test_interval_with_accumulation_on_four_replicas(strategy, case):
     steps = 2
-    stream = helpers.gradient_stream(_shapes(), UPDATES * steps, replicas=4, scales=SCALES, seed=32)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES * steps, replicas=4, scales=SCALES, seed=32
+    )
     initial, got, optimizer = helpers.run_mirrored(
         strategy,
         lambda: CASES[case].make(gsnr_interval=INTERVAL, gradient_accumulation_steps=steps),
@@ -69,7 +72,9 @@ def test_interval_with_accumulation_on_four_replicas(strategy, case):
 @pytest.mark.parametrize("case", ["VR-SGD", "VR-LAMB"])
 def test_interval_with_accumulation_on_one_device(case):
     steps = 3
-    stream = helpers.gradient_stream(_shapes(), UPDATES * steps, replicas=1, scales=SCALES, seed=33)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES * steps, replicas=1, scales=SCALES, seed=33
+    )
     model = helpers.make_model()
     initial = model.get_weights()
     optimizer = CASES[case].make(gsnr_interval=INTERVAL, gradient_accumulation_steps=steps)
@@ -91,7 +96,7 @@ def test_squares_are_reduced_at_gsnr_updates_only(strategy, monkeypatch):
         return original(self, reduce_op, value_destination_pairs, options)
 
     monkeypatch.setattr(extended, "batch_reduce_to", counting)
-    stream = helpers.gradient_stream(_shapes(), 2, replicas=4, seed=34)
+    stream = helpers.gradient_stream(helpers.model_shapes(), 2, replicas=4, seed=34)
     helpers.run_mirrored(strategy, lambda: tf_vrgd.VRSGD(0.5, gsnr_interval=2), stream)
     # Both branches are traced once in the step: 6 tensors for the GSNR
     # branch (the two kernels, the two biases as one flat message, and the
@@ -101,7 +106,9 @@ def test_squares_are_reduced_at_gsnr_updates_only(strategy, monkeypatch):
 
 @pytest.mark.parametrize("beta_3", [0.0, 0.9])
 def test_restore_between_gsnr_updates_resumes_exactly(strategy, beta_3, tmp_path):
-    stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=35)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=35
+    )
     make = lambda: tf_vrgd.VRSGD(0.5, momentum=0.9, beta_3=beta_3, gsnr_interval=INTERVAL)
     _, uninterrupted, _ = helpers.run_mirrored(strategy, make, stream)
 
@@ -125,7 +132,9 @@ def test_restore_between_gsnr_updates_resumes_exactly(strategy, beta_3, tmp_path
 
 
 def test_statistics_describe_gsnr_updates(strategy):
-    stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=36)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=36
+    )
     _, _, optimizer = helpers.run_mirrored(
         strategy,
         lambda: tf_vrgd.VRAdam(0.05, gsnr_interval=INTERVAL, track_gsnr_statistics=True),

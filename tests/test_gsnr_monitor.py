@@ -56,7 +56,7 @@ def _assert_statistics_match(optimizer, shapes, samples, gamma, name, beta_3=0.0
 def test_statistics_match_numpy_on_four_replicas(strategy, accumulation, beta_3):
     gamma = 0.3
     steps = accumulation or 1
-    shapes = [w.shape for w in helpers.make_model().get_weights()]
+    shapes = helpers.model_shapes()
     stream = helpers.gradient_stream(shapes, 3 * steps, replicas=4, scales=[1.0, 0.1, 3.0, 0.01])
     _, _, optimizer = helpers.run_mirrored(
         strategy,

@@ -13,7 +13,6 @@ import pytest
 import tensorflow as tf
 
 from tests import task_data
-from tests.test_tasks import PAPER, ROOT, TINY_BERT, TINY_CIFAR, TINY_DLRM, _cfg
 from tf_vrgd.experiments import image_task, tasks
 
 
@@ -33,7 +32,9 @@ def _criteo(path, count=12, edit=None):
 
 def _dlrm(path):
     return tasks.from_config(
-        _cfg("dlrm_sgd_64k.yaml", {**TINY_DLRM, "task.train_data.input_path": path})
+        task_data.paper_config(
+            "dlrm_sgd_64k.yaml", {**task_data.TINY_DLRM, "task.train_data.input_path": path}
+        )
     )
 
 
@@ -66,9 +67,9 @@ def test_a_criteo_label_out_of_range_stops_the_pipeline(tmp_path):
 
 
 def _bert(paths):
-    cfg = _cfg(
+    cfg = task_data.paper_config(
         "bert_large_vr_lamb_32k_phase1.yaml",
-        {**TINY_BERT, "task.train_data.input_path": ",".join(paths)},
+        {**task_data.TINY_BERT, "task.train_data.input_path": ",".join(paths)},
     )
     return tasks.from_config(cfg)
 
@@ -110,9 +111,9 @@ def test_bert_ids_out_of_the_vocabulary_are_found_and_stop_the_pipeline(tmp_path
 
 
 def _cifar_task(folder):
-    cfg = _cfg(
+    cfg = task_data.paper_config(
         "cifar10_resnet56_momentum_1k.yaml",
-        {**TINY_CIFAR, "task.train_data.input_path": folder},
+        {**task_data.TINY_CIFAR, "task.train_data.input_path": folder},
     )
     return tasks.from_config(cfg)
 
@@ -150,7 +151,7 @@ def test_a_cifar_file_cut_short_is_found_before_training(tmp_path):
 def test_an_imagenet_label_out_of_range_is_found(tmp_path):
     path = str(tmp_path / "train-0")
     task_data.write_imagenet_records(path, 3, num_classes=1001)
-    cfg = _cfg(
+    cfg = task_data.paper_config(
         "imagenet_resnet50_vr_lars_32k.yaml",
         {
             "task.model.input_size": [24, 24, 3],
@@ -170,11 +171,13 @@ def test_an_imagenet_label_out_of_range_is_found(tmp_path):
 
 def _train_fails(config, output, overrides):
     command = [sys.executable, "-m", "tf_vrgd.experiments.train", "--config"]
-    command += [os.path.join(PAPER, config), "--output", str(output), "--replicas", "2"]
+    command += [os.path.join(task_data.PAPER, config), "--output", str(output), "--replicas", "2"]
     command += ["--verbose", "0", "--train-steps", "4"]
     for key, value in overrides.items():
         command += ["--override", f"{key}={json.dumps(value)}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([task_data.ROOT, os.environ.get("PYTHONPATH", "")])
+    )
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     return done.stdout + done.stderr
@@ -187,7 +190,7 @@ def test_vrgd_train_names_a_bad_line_found_in_training(tmp_path):
     text = _train_fails(
         "dlrm_sgd_64k.yaml",
         tmp_path / "run",
-        {**TINY_DLRM, "task.train_data.input_path": path},
+        {**task_data.TINY_DLRM, "task.train_data.input_path": path},
     )
     assert (
         f"vrgd-train: the input cannot be read: task.train_data: {path}: line 30: "
@@ -203,7 +206,7 @@ def test_vrgd_train_refuses_a_validation_split_smaller_than_a_batch(tmp_path):
         "dlrm_sgd_64k.yaml",
         tmp_path / "run",
         {
-            **TINY_DLRM,
+            **task_data.TINY_DLRM,
             "task.train_data.input_path": train,
             "task.validation_data.input_path": validation,
         },

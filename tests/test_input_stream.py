@@ -11,7 +11,6 @@ import pytest
 import tensorflow as tf
 
 from tests import task_data
-from tests.test_tasks import TINY_BERT, TINY_CIFAR, TINY_DLRM, _cfg, _flat
 from tf_vrgd.experiments import records, tasks
 from tf_vrgd.experiments.task_runs import TaskExperiment
 
@@ -91,10 +90,10 @@ def test_dlrm_intervals_read_on_through_the_file(tmp_path):
     resumed run makes at each interval's start is the stream read on."""
     path = tmp_path / "day_0.tsv"
     _criteo_lines(path, 30000)
-    cfg = _cfg(
+    cfg = task_data.paper_config(
         "dlrm_sgd_64k.yaml",
         {
-            **TINY_DLRM,
+            **task_data.TINY_DLRM,
             "task.train_data.global_batch_size": 64,
             "task.train_data.input_path": str(path),
             "trainer.checkpoint_interval": 2,
@@ -119,11 +118,15 @@ def _task_files(kind, tmp_path):
         paths = [str(tmp_path / f"bert_{i}.tfrecord") for i in range(2)]
         for i, path in enumerate(paths):
             task_data.write_bert_records(path, 9 + 4 * i, 16, 4, 200, seed=i)
-        name, overrides, path = "bert_large_vr_lamb_32k_phase1.yaml", TINY_BERT, ",".join(paths)
+        name, overrides, path = (
+            "bert_large_vr_lamb_32k_phase1.yaml",
+            task_data.TINY_BERT,
+            ",".join(paths),
+        )
     elif kind in ("cifar", "cifar-python"):
         path = str(tmp_path)
         task_data.write_cifar(path, 3, python=kind == "cifar-python")
-        name, overrides = "cifar10_resnet56_momentum_1k.yaml", TINY_CIFAR
+        name, overrides = "cifar10_resnet56_momentum_1k.yaml", task_data.TINY_CIFAR
     elif kind == "imagenet":
         path = str(tmp_path / "train-*")
         for i in range(2):
@@ -136,8 +139,8 @@ def _task_files(kind, tmp_path):
         path = str(tmp_path / "day_*.tsv")
         for i in range(3):
             task_data.write_criteo(str(tmp_path / f"day_{i}.tsv"), 5 + i, seed=i)
-        name, overrides = "dlrm_sgd_64k.yaml", TINY_DLRM
-    cfg = _cfg(name, {**overrides, "task.train_data.input_path": path})
+        name, overrides = "dlrm_sgd_64k.yaml", task_data.TINY_DLRM
+    cfg = task_data.paper_config(name, {**overrides, "task.train_data.input_path": path})
     return tasks.from_config(cfg)
 
 
@@ -147,11 +150,11 @@ def test_each_task_resumes_its_stream_where_it_stopped(kind, tmp_path):
     included) is the batches the uninterrupted input reads from there, past
     the end of the first pass, from several files."""
     task = _task_files(kind, tmp_path)
-    full = [_flat(b) for b in task.dataset("train", 3, seed=7).take(14)]
+    full = [task_data.flat(b) for b in task.dataset("train", 3, seed=7).take(14)]
     for batches in (1, 5, 9):
         resumed = task.dataset("train", 3, seed=7, start=3 * batches).take(14 - batches)
         for got, want in zip(resumed, full[batches:], strict=True):
-            for x, y in zip(_flat(got), want, strict=True):
+            for x, y in zip(task_data.flat(got), want, strict=True):
                 np.testing.assert_array_equal(x, y)
 
 
@@ -164,10 +167,10 @@ def test_a_resumed_run_reads_on_from_its_checkpoint(tmp_path):
 
     path = tmp_path / "day_0.tsv"
     _criteo_lines(path, 96)
-    cfg = _cfg(
+    cfg = task_data.paper_config(
         "dlrm_sgd_64k.yaml",
         {
-            **TINY_DLRM,
+            **task_data.TINY_DLRM,
             "task.train_data.input_path": str(path),
             "trainer.checkpoint_interval": 2,
             "trainer.max_to_keep": 2,

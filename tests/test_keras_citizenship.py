@@ -14,13 +14,9 @@ import tf_vrgd
 EMA = dict(use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=1)
 
 
-def _shapes():
-    return [w.shape for w in helpers.make_model().get_weights()]
-
-
 def test_ema_overwrite_on_one_device_matches_keras_adam():
     # gamma = 1, beta_3 = 0: VR-Adam is Adam, so the EMA overwrites must be too.
-    stream = helpers.gradient_stream(_shapes(), 6, seed=31)
+    stream = helpers.gradient_stream(helpers.model_shapes(), 6, seed=31)
     results = []
     for optimizer in (
         keras.optimizers.Adam(0.05, gradient_accumulation_steps=2, **EMA),
@@ -37,7 +33,7 @@ def test_ema_overwrite_under_mirrored_strategy_matches_keras_adam(strategy):
     # Keras' own Adam cannot overwrite under MirroredStrategy (its cond holds
     # a merge_call), so the reference is Keras Adam on one device applying
     # the replicas' mean gradient, which is what VR-Adam at gamma = 1 applies.
-    stream = helpers.gradient_stream(_shapes(), 3, replicas=4, seed=32)
+    stream = helpers.gradient_stream(helpers.model_shapes(), 3, replicas=4, seed=32)
     model = helpers.make_model()
     mean = [[[g.astype(np.float32) for g in step]] for step in helpers.mean_over_replicas(stream)]
     helpers.apply_stream(
@@ -56,7 +52,7 @@ def test_plain_tf_variables_train_like_keras_variables(strategy, accumulation):
     # statistics. Keras' optimizers accept plain tf.Variables; so must these.
     initial = helpers.make_model().get_weights()
     replicas = 1 if accumulation else 4
-    stream = helpers.gradient_stream(_shapes(), 4, replicas=replicas, seed=33)
+    stream = helpers.gradient_stream(helpers.model_shapes(), 4, replicas=replicas, seed=33)
     results = []
     for plain in (False, True):
         scope = strategy.scope() if replicas > 1 else tf.distribute.get_strategy().scope()
@@ -125,7 +121,7 @@ def test_changing_statistics_tracking_after_build_is_refused():
 def test_larc_weights_and_saved_variables_are_the_inner_state():
     model = helpers.make_model()
     larc = tf_vrgd.LARC(keras.optimizers.SGD(0.1, momentum=0.9))
-    stream = helpers.gradient_stream(_shapes(), 2, seed=35)
+    stream = helpers.gradient_stream(helpers.model_shapes(), 2, seed=35)
     helpers.apply_stream(larc, model.trainable_variables, stream)
     inner = larc.inner_optimizer
     assert [v.path for v in larc.variables] == [v.path for v in inner.variables]
@@ -156,7 +152,7 @@ def test_mid_accumulation_state_restores_under_another_replica_count(strategy, t
     # One micro-step of two on 4 replicas, saved, restored on one device,
     # then the update's micro-step there: the update is VR-SGD on the 5
     # samples actually taken (the sums hold samples, not 1/R-scaled ones).
-    shapes = _shapes()
+    shapes = helpers.model_shapes()
     first = helpers.gradient_stream(shapes, 1, replicas=4, seed=37)
     with strategy.scope():
         model = helpers.make_model()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import helpers
 from tests import references as ref
 import tf_vrgd
 
@@ -48,15 +49,6 @@ def _model(seed=0):
     )
 
 
-def _compile(model, optimizer, **kwargs):
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        **kwargs,
-    )
-    return model
-
-
 def _strip_names(config):
     """Configs compared across instances: auto-generated names differ."""
     if isinstance(config, dict):
@@ -82,7 +74,7 @@ def test_get_config_round_trip_and_registration(name):
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_model_save_and_load_restore_optimizer_and_state(name, tmp_path):
     x, y = _data()
-    model = _compile(_model(), OPTIMIZERS[name]())
+    model = helpers.compile_classifier(_model(), OPTIMIZERS[name]())
     model.fit(x, y, batch_size=32, epochs=2, verbose=0)
     path = str(tmp_path / "model.keras")
     model.save(path)
@@ -109,18 +101,18 @@ def test_checkpoint_lockstep(name, tmp_path):
     batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 256, 32)]
     first, rest = batches[:5], batches[5:]
 
-    straight = _compile(_model(), OPTIMIZERS[name]())
+    straight = helpers.compile_classifier(_model(), OPTIMIZERS[name]())
     for xb, yb in batches:
         straight.train_on_batch(xb, yb)
 
-    interrupted = _compile(_model(), OPTIMIZERS[name]())
+    interrupted = helpers.compile_classifier(_model(), OPTIMIZERS[name]())
     for xb, yb in first:
         interrupted.train_on_batch(xb, yb)
     prefix = tf.train.Checkpoint(model=interrupted, optimizer=interrupted.optimizer).save(
         str(tmp_path / "ckpt")
     )
 
-    resumed = _compile(_model(seed=123), OPTIMIZERS[name]())
+    resumed = helpers.compile_classifier(_model(seed=123), OPTIMIZERS[name]())
     resumed.optimizer.build(resumed.trainable_variables)
     tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(
         prefix
@@ -137,7 +129,7 @@ def test_xla_equals_non_xla_on_one_device(name):
     x, y = _data()
     runs = []
     for jit in (False, True):
-        model = _compile(_model(), OPTIMIZERS[name](), jit_compile=jit)
+        model = helpers.compile_classifier(_model(), OPTIMIZERS[name](), jit_compile=jit)
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         runs.append(model.get_weights())
     for a, b in zip(*runs):
@@ -153,7 +145,7 @@ def test_mixed_float16_with_loss_scale_optimizer_trains(name):
     x, y = _data(512)
     model = _model()
     optimizer = keras.optimizers.LossScaleOptimizer(OPTIMIZERS[name]())
-    _compile(model, optimizer)
+    helpers.compile_classifier(model, optimizer)
     history = model.fit(x, y, batch_size=64, epochs=5, verbose=0)
     losses = history.history["loss"]
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.85 * losses[0], losses
@@ -164,7 +156,7 @@ def test_mixed_float16_with_loss_scale_optimizer_trains(name):
 def test_mixed_float16_is_wrapped_by_keras_automatically(name):
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = _data()
-    model = _compile(_model(), OPTIMIZERS[name]())
+    model = helpers.compile_classifier(_model(), OPTIMIZERS[name]())
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     model.fit(x, y, batch_size=64, epochs=1, verbose=0)
     assert np.all([np.all(np.isfinite(w)) for w in model.get_weights()])
@@ -198,7 +190,7 @@ def test_loss_scale_optimizer_skips_non_finite_steps(name):
 def test_mixed_bfloat16_trains(name):
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     x, y = _data(512)
-    model = _compile(_model(), OPTIMIZERS[name]())
+    model = helpers.compile_classifier(_model(), OPTIMIZERS[name]())
     history = model.fit(x, y, batch_size=64, epochs=5, verbose=0)
     losses = history.history["loss"]
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.85 * losses[0], losses
@@ -263,7 +255,7 @@ def test_embedding_trains_with_fit_under_mirrored_strategy(name, strategy):
                 keras.layers.Dense(2),
             ]
         )
-        _compile(model, OPTIMIZERS[name]())
+        helpers.compile_classifier(model, OPTIMIZERS[name]())
     history = model.fit(x, y, batch_size=64, epochs=5, verbose=0)
     losses = history.history["loss"]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses

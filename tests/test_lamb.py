@@ -24,7 +24,7 @@ def _reference(initial, stream, decays, adapts, **hyper):
 
 
 def _stream():
-    shapes = [w.shape for w in helpers.make_model().get_weights()]
+    shapes = helpers.model_shapes()
     return [step[0] for step in helpers.gradient_stream(shapes, STEPS, scales=SCALES)]
 
 

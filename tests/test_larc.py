@@ -17,14 +17,6 @@ LR = 0.1
 SCALES = [1e-2, 5.0, 0.05, 0.3]
 
 
-def _shapes():
-    return [w.shape for w in helpers.make_model().get_weights()]
-
-
-def reference_larc_sgd(weights, stream, lr, momentum=0.0, nesterov=False, **larc):
-    return ref.run(weights, ref.larc(ref.sgd(lr, momentum, nesterov), lr, **larc), stream)
-
-
 def reference_larc_adam(weights, stream, lr, **larc):
     return ref.run(weights, ref.larc(ref.adam(lr), lr, **larc), stream)
 
@@ -37,7 +29,10 @@ def _run(optimizer, stream, compiled=False):
 
 
 def _stream(seed=1):
-    return [s[0] for s in helpers.gradient_stream(_shapes(), STEPS, scales=SCALES, seed=seed)]
+    return [
+        s[0]
+        for s in helpers.gradient_stream(helpers.model_shapes(), STEPS, scales=SCALES, seed=seed)
+    ]
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -56,7 +51,7 @@ def test_larc_sgd_matches_reference(larc, sgd, compiled):
     stream = _stream()
     optimizer = tf_vrgd.LARC(keras.optimizers.SGD(LR, **sgd), **larc)
     initial, got = _run(optimizer, stream, compiled)
-    expected = reference_larc_sgd(initial, stream, LR, **sgd, **larc)
+    expected = ref.run_larc_sgd(initial, stream, LR, **sgd, **larc)
     ref.assert_all_close(got, expected, "LARC(SGD)")
 
 

@@ -15,10 +15,6 @@ STEPS = 6
 SCALES = [1e-2, 2.0, 5e-3, 1.0]
 
 
-def reference_lars(weights, stream, lr, decays=None, adapts=None, **hyper):
-    return ref.run(weights, ref.lars(lr, decays, adapts or decays, **hyper), stream)
-
-
 def run_lars(stream, compiled=False, configure=None, **kwargs):
     model = helpers.make_model()
     initial = model.get_weights()
@@ -41,23 +37,23 @@ def run_lars(stream, compiled=False, configure=None, **kwargs):
     ids=["classic", "nesterov", "no-momentum", "coupled-decay"],
 )
 def test_lars_matches_reference(hyper, compiled):
-    shapes = [w.shape for w in helpers.make_model().get_weights()]
+    shapes = helpers.model_shapes()
     stream = helpers.mean_over_replicas(helpers.gradient_stream(shapes, STEPS, scales=SCALES))
     stream32 = [[[g.astype(np.float32) for g in step]] for step in stream]
     initial, got = run_lars(stream32, compiled, learning_rate=0.5, **hyper)
-    expected = reference_lars(initial, stream, 0.5, **hyper)
+    expected = ref.run_lars(initial, stream, 0.5, **hyper)
     ref.assert_all_close(got, expected, "LARS")
 
 
 def test_lars_exclusions_regex_and_keras_forms():
-    shapes = [w.shape for w in helpers.make_model().get_weights()]
+    shapes = helpers.model_shapes()
     stream = [[list(step[0])] for step in helpers.gradient_stream(shapes, STEPS, scales=SCALES)]
     # Regex form: biases get no decay; by default also no adaptation.
     initial, got = run_lars(
         stream, learning_rate=0.5, weight_decay_rate=0.05, exclude_from_weight_decay=["bias"]
     )
     decays = [True, False, True, False]
-    expected = reference_lars(
+    expected = ref.run_lars(
         initial, [s[0] for s in stream], 0.5, decays=decays, adapts=decays, weight_decay_rate=0.05
     )
     ref.assert_all_close(got, expected, "LARS exclusions")
@@ -70,7 +66,7 @@ def test_lars_exclusions_regex_and_keras_forms():
         exclude_from_weight_decay=["bias"],
         exclude_from_layer_adaptation=["/head/"],
     )
-    expected = reference_lars(
+    expected = ref.run_lars(
         initial,
         [s[0] for s in stream],
         0.5,
@@ -86,7 +82,7 @@ def test_lars_exclusions_regex_and_keras_forms():
         optimizer.exclude_from_layer_adaptation(var_names=["head/bias"])
 
     initial, got = run_lars(stream, learning_rate=0.5, weight_decay_rate=0.05, configure=configure)
-    expected = reference_lars(
+    expected = ref.run_lars(
         initial,
         [s[0] for s in stream],
         0.5,

@@ -81,3 +81,96 @@ def test_no_import_cycle_and_no_private_name_across_modules():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_no_test_module_is_imported_by_another():
+    """Shared test code lives in support modules (`helpers`, `references`,
+    `rows`, `vr_cases`, `task_data`), not in test modules: a test module
+    imported by another runs its module-level code twice and couples
+    their private names."""
+    found = []
+    folder = os.path.join(ROOT, "tests")
+    for folder_path, _, files in os.walk(folder):
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(folder_path, file)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                for name in names:
+                    if any(part.startswith("test_") for part in name.split(".")[1:]):
+                        found.append(f"{os.path.relpath(path, ROOT)}: {name}")
+    assert not found, found
+
+
+def _application_files():
+    """{name: parsed source} of the code that must use the library's public
+    API only: the application (`tf_vrgd.experiments`), the Model Garden
+    support (`tf_vrgd.model_garden`) and `scripts/`."""
+    files = {}
+    for folder in ("tf_vrgd/experiments", "tf_vrgd/model_garden", "scripts"):
+        for file in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if file.endswith(".py"):
+                path = os.path.join(ROOT, folder, file)
+                with open(path) as f:
+                    files[f"{folder}/{file}"] = ast.parse(f.read(), path)
+    return files
+
+
+def _is_library_private(module):
+    """A private module of the library (`tf_vrgd._gsnr`), not of the
+    application packages."""
+    parts = module.split(".")
+    return parts[0] == PACKAGE and any(p.startswith("_") and p != "__init__" for p in parts)
+
+
+def _patches_and_private_overrides(tree, modules):
+    """Assignments to a library module's attributes (monkeypatching) and
+    private methods defined in subclasses of the library's classes."""
+    package_names = {PACKAGE} | {m.rsplit(".", 1)[-1] for m in modules}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id in package_names
+                ):
+                    found.append(f"{target.value.id}.{target.attr} = ...")
+        if isinstance(node, ast.ClassDef):
+            from_library = any(
+                isinstance(base, ast.Attribute)
+                and isinstance(base.value, ast.Name)
+                and base.value.id in package_names
+                for base in node.bases
+            )
+            for item in node.body if from_library else ():
+                if (
+                    isinstance(item, ast.FunctionDef)
+                    and item.name.startswith("_")
+                    and not item.name.startswith("__")
+                ):
+                    found.append(f"class {node.name}: def {item.name}")
+    return found
+
+
+def test_the_application_and_the_scripts_use_the_public_api_only():
+    """No private module or name of the library, no library module's
+    attribute reassigned, no private method of a library class overridden:
+    what the application needs of the library is public."""
+    modules = _modules()
+    found = {}
+    for name, tree in _application_files().items():
+        imported, private = _imports(name, tree, modules)
+        private += sorted(m for m in imported if _is_library_private(m))
+        private += _patches_and_private_overrides(tree, modules)
+        if private:
+            found[name] = private
+    assert not found, f"private modules or names used: {found}"

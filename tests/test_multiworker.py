@@ -4,17 +4,15 @@ four replicas applying the same samples."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests import helpers
+from tests import helpers, rows
 from tests import multiworker_worker as worker
 from tests import references as ref
-from tests import test_row_sparse as rows
 import tf_vrgd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,21 +20,11 @@ WORKERS = 2
 TIMEOUT_S = 300
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory):
     """Runs the two workers once; returns each one's final weights."""
     directory = tmp_path_factory.mktemp("multiworker")
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(WORKERS)]}
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in helpers.free_ports(WORKERS)]}
     processes, outputs = [], []
     for index in range(WORKERS):
         output = directory / f"worker{index}.npz"

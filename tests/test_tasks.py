@@ -12,24 +12,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests import task_data
+from tests import helpers, task_data
 from tf_vrgd.experiments import experiment_config, image_task, run_folder, tasks, train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAPER = os.path.join(ROOT, "configs", "paper")
-
-TINY_BERT = {**tasks.TINY_SIZES["bert"], "task.train_data.global_batch_size": 16}
-TINY_DLRM = {**tasks.TINY_SIZES["dlrm"], "task.train_data.global_batch_size": 16}
-TINY_CIFAR = {**tasks.TINY_SIZES["resnet"], "task.train_data.global_batch_size": 16}
-
-
-def _cfg(name, overrides):
-    from tf_vrgd import config
-
-    return experiment_config.apply_overrides(
-        config.load(os.path.join(PAPER, name)),
-        [f"{k}={json.dumps(v)}" for k, v in overrides.items()],
-    )
+ROOT, PAPER = task_data.ROOT, task_data.PAPER
+TINY_BERT, TINY_CIFAR, TINY_DLRM = task_data.TINY_BERT, task_data.TINY_CIFAR, task_data.TINY_DLRM
+_cfg = task_data.paper_config
 
 
 def test_both_experiments_are_what_vrgd_train_reads():
@@ -165,10 +153,6 @@ def _training_dataset(kind, tmp_path):
     return lambda seed: task.dataset("train", 4, seed=seed)
 
 
-def _flat(batch):
-    return [np.asarray(t) for t in tf.nest.flatten(batch)]
-
-
 @pytest.mark.parametrize("kind", ["bert", "cifar", "imagenet", "dlrm"])
 def test_training_stream_is_the_same_in_every_iterator(kind, tmp_path):
     """Keras' fit reads a batch from one iterator to build its metrics, then
@@ -179,8 +163,8 @@ def test_training_stream_is_the_same_in_every_iterator(kind, tmp_path):
     dataset = _training_dataset(kind, tmp_path)
     ds = dataset(seed=3)
     first = iter(ds)
-    ahead = [_flat(next(first)) for _ in range(7)]
-    second = [_flat(b) for b in ds.take(7)]
+    ahead = [task_data.flat(next(first)) for _ in range(7)]
+    second = [task_data.flat(b) for b in ds.take(7)]
     for a, b in zip(ahead, second, strict=True):
         for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)
@@ -191,7 +175,7 @@ def test_training_stream_is_the_same_in_every_iterator(kind, tmp_path):
     if kind not in ("cifar", "imagenet"):  # images: crops differ between passes
         assert sorted(map(tuple, one.tolist())) == sorted(map(tuple, two.tolist()))
     assert not np.array_equal(one, two)
-    other = _flat(next(iter(dataset(seed=4))))
+    other = task_data.flat(next(iter(dataset(seed=4))))
     assert any(not np.array_equal(x, y) for x, y in zip(ahead[0], other, strict=True))
 
 
@@ -492,9 +476,8 @@ def _check_resume(run_dir, rerun, updates, rtol, truncate=False):
 def _run_workers(config, outputs, overrides, *extra):
     """`vrgd-train` as one process per entry of `outputs` (its --output),
     with TF_CONFIG on 127.0.0.1 ports; returns their exit codes and output."""
-    from tests.test_multiworker import _free_ports
 
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(len(outputs))]}
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in helpers.free_ports(len(outputs))]}
     processes = []
     for index, output in enumerate(outputs):
         command = [sys.executable, "-m", "tf_vrgd.experiments.train", "--config"]
@@ -569,9 +552,8 @@ def test_multi_worker_flags_are_checked(monkeypatch, tmp_path, tf_config, flags,
 
 def _lone_worker(tmp_path, *flags):
     """A worker of a two-worker cluster whose other worker never starts."""
-    from tests.test_multiworker import _free_ports
 
-    ports = _free_ports(2)
+    ports = helpers.free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     command = [sys.executable, "-m", "tf_vrgd.experiments.train", "--config"]
     command += [os.path.join(PAPER, "dlrm_vr_sgd_64k.yaml"), "--output", str(tmp_path)]

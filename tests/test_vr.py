@@ -2,8 +2,6 @@
 and VR-LARS (docs/algorithms.md §1-4), on distinct data per replica, with
 gradient accumulation, and the properties of §2."""
 
-from collections.abc import Callable
-import dataclasses
 import functools
 
 import keras
@@ -13,70 +11,15 @@ import tensorflow as tf
 
 from tests import helpers
 from tests import references as ref
+from tests.vr_cases import (  # the fixture: every test here picks its update path
+    CASES,
+    PACKING,
+    SCALES,
+    update_path,  # noqa: F401
+)
 import tf_vrgd
-from tf_vrgd import _gsnr
 
-SCALES = [1e-2, 1.0, 5e-2, 0.3]
 UPDATES = 5
-# Size limits of the packed update path (tf_vrgd._gsnr.PACKED_MAX_ELEMENTS)
-# on the test model's variables of 48, 6, 18 and 3 elements.
-PACKING = {"packed": 2**14, "mixed": 10, "fused": -1}
-
-
-@pytest.fixture(autouse=True)
-def update_path(request, monkeypatch):
-    """Both update paths in every test here: the kernels (48 and 18
-    elements) in the fused XLA program, the biases packed; tests
-    parametrized on `path` choose."""
-    path = (
-        request.node.callspec.params.get("path", "mixed")
-        if hasattr(request.node, "callspec")
-        else "mixed"
-    )
-    monkeypatch.setattr(_gsnr, "PACKED_MAX_ELEMENTS", PACKING[path])
-    return path
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """A VR optimizer under test and its numpy reference: `make(**extra)`
-    builds the optimizer; `rule` is the base rule applied to ghat."""
-
-    make: Callable
-    rule: ref.Rule
-    beta_3: float
-    gamma: float = 0.1
-
-
-EXCLUDE_BIASES = [True, False, True, False]  # kernels decay and adapt, biases not
-CASES = {
-    "VR-SGD": Case(lambda **k: tf_vrgd.VRSGD(0.5, **k), ref.sgd(0.5), beta_3=0.0),
-    "VR-Momentum": Case(lambda **k: tf_vrgd.VRSGD(0.5, momentum=0.9, **k), ref.sgd(0.5, 0.9), 0.0),
-    "VR-Momentum nesterov beta_3": Case(
-        lambda **k: tf_vrgd.VRSGD(0.5, momentum=0.9, nesterov=True, beta_3=0.5, **k),
-        ref.sgd(0.5, 0.9, nesterov=True),
-        beta_3=0.5,
-    ),
-    "VR-Adam": Case(lambda **k: tf_vrgd.VRAdam(0.05, **k), ref.adam(0.05), beta_3=0.9),
-    "VR-LARS": Case(
-        lambda **k: tf_vrgd.VRLARS(
-            2.0,
-            trust_coefficient=0.01,
-            weight_decay_rate=0.01,
-            exclude_from_weight_decay=["bias"],
-            **k,
-        ),
-        ref.lars(2.0, decays=EXCLUDE_BIASES, trust_coefficient=0.01, weight_decay_rate=0.01),
-        beta_3=0.0,
-    ),
-    "VR-LAMB": Case(
-        lambda **k: tf_vrgd.VRLAMB(
-            0.05, weight_decay_rate=0.01, exclude_from_weight_decay=["bias"], **k
-        ),
-        ref.lamb(0.05, decays=EXCLUDE_BIASES, weight_decay_rate=0.01),
-        beta_3=0.9,
-    ),
-}
 
 
 def _reference(case, initial, samples_per_update):
@@ -91,14 +34,12 @@ def _make(case, **extra):
     return CASES[case].make(**extra)
 
 
-def _shapes():
-    return [w.shape for w in helpers.make_model().get_weights()]
-
-
 @pytest.mark.parametrize("path", PACKING)
 @pytest.mark.parametrize("case", CASES)
 def test_vr_matches_reference_on_four_replicas(strategy, case, path):
-    stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=11)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=11
+    )
     initial, got, optimizer = helpers.run_mirrored(strategy, lambda: _make(case), stream)
     expected = _reference(case, initial, helpers.samples_per_update(stream, 1))
     ref.assert_all_close(got, expected, f"{case} (4 replicas)", rtol=1e-4)
@@ -108,7 +49,9 @@ def test_vr_matches_reference_on_four_replicas(strategy, case, path):
 @pytest.mark.parametrize("case", ["VR-Momentum", "VR-Adam", "VR-LAMB"])
 def test_vr_matches_reference_with_accumulation_on_four_replicas(strategy, case):
     steps = 2
-    stream = helpers.gradient_stream(_shapes(), UPDATES * steps, replicas=4, scales=SCALES, seed=12)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES * steps, replicas=4, scales=SCALES, seed=12
+    )
     initial, got, optimizer = helpers.run_mirrored(
         strategy, lambda: _make(case, gradient_accumulation_steps=steps), stream
     )
@@ -120,7 +63,9 @@ def test_vr_matches_reference_with_accumulation_on_four_replicas(strategy, case)
 @pytest.mark.parametrize("case", ["VR-SGD", "VR-Adam", "VR-LARS", "VR-LAMB"])
 def test_vr_matches_reference_with_accumulation_on_one_device(case):
     steps = 3
-    stream = helpers.gradient_stream(_shapes(), UPDATES * steps, replicas=1, scales=SCALES, seed=13)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES * steps, replicas=1, scales=SCALES, seed=13
+    )
     model = helpers.make_model()
     initial = model.get_weights()
     optimizer = _make(case, gradient_accumulation_steps=steps)
@@ -147,7 +92,9 @@ TWINS = {
 @pytest.mark.parametrize("path", ["packed", "fused"])
 @pytest.mark.parametrize("name", TWINS)
 def test_gamma_one_equals_base_optimizer(strategy, name, path):
-    stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=14)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=14
+    )
     _, vr, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](gamma=1.0, beta_3=0.5), stream)
     _, base, _ = helpers.run_mirrored(strategy, BASES[name], stream)
     # keras.optimizers.Lamb itself is 1.2e-4 (relative) away from a float64
@@ -166,7 +113,9 @@ def test_gamma_one_equals_base_optimizer(strategy, name, path):
 @pytest.mark.parametrize("path", ["packed", "fused"])
 @pytest.mark.parametrize("name", TWINS)
 def test_identical_replicas_give_base_optimizer(strategy, name, path):
-    one = helpers.gradient_stream(_shapes(), UPDATES, replicas=1, scales=SCALES, seed=15)
+    one = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES, replicas=1, scales=SCALES, seed=15
+    )
     stream = [[step[0]] * 4 for step in one]
     _, vr, _ = helpers.run_mirrored(strategy, TWINS[name], stream)
     _, base, _ = helpers.run_mirrored(strategy, BASES[name], stream)
@@ -180,7 +129,7 @@ def test_identical_replicas_give_base_optimizer(strategy, name, path):
 def test_scaling_all_samples_scales_gsnr_invariantly(strategy, name):
     # VR-SGD's first step is linear in ghat and VR-LARS' (no decay) is scale
     # free: a GSNR that changed with the scale would change the step.
-    stream = helpers.gradient_stream(_shapes(), 1, replicas=4, scales=SCALES, seed=16)
+    stream = helpers.gradient_stream(helpers.model_shapes(), 1, replicas=4, scales=SCALES, seed=16)
     scaled = [[[g * 8.0 for g in replica] for replica in step] for step in stream]
     initial, a, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](), stream)
     _, b, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](), scaled)
@@ -217,7 +166,9 @@ def test_bad_hyper_parameters_raise(cls, kwargs, argument):
 
 
 def test_xla_update_equals_non_xla_under_mirrored_strategy(strategy):
-    stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=17)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=17
+    )
     for name in ("VRAdam", "VRLARS"):  # one adaptive and one layer-wise rule
         make = TWINS[name]
         _, xla, _ = helpers.run_mirrored(strategy, functools.partial(make, jit_update=True), stream)
@@ -276,7 +227,9 @@ def _update_traces(optimizer):
 
 
 def test_update_is_traced_once(strategy):
-    stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=18)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=18
+    )
     with strategy.scope():
         model = helpers.make_model()
         optimizer = tf_vrgd.VRAdam()
@@ -312,7 +265,9 @@ def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulati
 
 
 def test_larc_wraps_a_vr_optimizer(strategy):
-    stream = helpers.gradient_stream(_shapes(), UPDATES, replicas=4, scales=SCALES, seed=19)
+    stream = helpers.gradient_stream(
+        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=19
+    )
     initial, got, _ = helpers.run_mirrored(
         strategy, lambda: tf_vrgd.LARC(tf_vrgd.VRSGD(0.5, momentum=0.9)), stream
     )

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import helpers
 from tests import references as ref
 import tf_vrgd
 
@@ -52,21 +53,12 @@ def _assert_trains(model, x, y, **fit_kwargs):
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
 
 
-def _compile(model, optimizer, **kwargs):
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        **kwargs,
-    )
-    return model
-
-
 @pytest.mark.parametrize("name", VR)
 def test_fit_trains_a_conv_model_under_mirrored_strategy(strategy, name):
     x, y = _images()
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = _compile(_conv_model(), VR[name]())
+        model = helpers.compile_classifier(_conv_model(), VR[name]())
     _assert_trains(model, x, y, batch_size=128, epochs=5)
 
 
@@ -74,7 +66,9 @@ def test_fit_with_accumulation_under_mirrored_strategy(strategy):
     x, y = _images()
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = _compile(_conv_model(), tf_vrgd.VRAdam(0.003, gradient_accumulation_steps=2))
+        model = helpers.compile_classifier(
+            _conv_model(), tf_vrgd.VRAdam(0.003, gradient_accumulation_steps=2)
+        )
     _assert_trains(model, x, y, batch_size=64, epochs=4)
     assert int(model.optimizer.iterations.numpy()) == 4 * (512 // 64) // 2
 
@@ -82,7 +76,7 @@ def test_fit_with_accumulation_under_mirrored_strategy(strategy):
 def test_jit_compiled_model_with_accumulation_on_one_device():
     x, y = _images()
     keras.utils.set_random_seed(0)
-    model = _compile(
+    model = helpers.compile_classifier(
         _conv_model(), tf_vrgd.VRAdam(0.003, gradient_accumulation_steps=4), jit_compile=True
     )
     _assert_trains(model, x, y, batch_size=32, epochs=3)
@@ -98,7 +92,7 @@ def test_config_round_trip_and_save_load(name, tmp_path):
 
     x, y = _images(256)
     keras.utils.set_random_seed(0)
-    model = _compile(_conv_model(), optimizer, jit_compile=False)
+    model = helpers.compile_classifier(_conv_model(), optimizer, jit_compile=False)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     # Leave a half-accumulated update behind: accumulators must survive too.
     model.train_on_batch(x[:32], y[:32])
@@ -125,7 +119,7 @@ def test_checkpoint_lockstep_under_mirrored_strategy(strategy, name, tmp_path):
         with strategy.scope():
             keras.utils.set_random_seed(0)
             # State handling does not depend on XLA (tested elsewhere).
-            return _compile(
+            return helpers.compile_classifier(
                 _conv_model(), VR[name](gradient_accumulation_steps=2, jit_update=False)
             )
 
@@ -259,7 +253,7 @@ def test_mixed_bfloat16_trains(strategy, name):
     x, y = _images()
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = _compile(_conv_model(), VR[name]())
+        model = helpers.compile_classifier(_conv_model(), VR[name]())
     _assert_trains(model, x, y, batch_size=128, epochs=5)
 
 

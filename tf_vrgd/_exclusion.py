@@ -19,7 +19,7 @@ update step branches on Python booleans, not tensors.
 
 import re
 
-from tf_vrgd import _validation
+from tf_vrgd import validation
 
 
 class LayerwiseExclusionMixin:
@@ -36,13 +36,13 @@ class LayerwiseExclusionMixin:
         `weight_decay_rate` that the layer-wise optimizers take (None: the
         host has none)."""
         if weight_decay_rate is not None:
-            self.weight_decay_rate = _validation.check_number(
+            self.weight_decay_rate = validation.check_number(
                 "weight_decay_rate", weight_decay_rate, low=0.0
             )
-        self._weight_decay_patterns = _validation.check_regex_list(
+        self._weight_decay_patterns = validation.check_regex_list(
             "exclude_from_weight_decay", exclude_from_weight_decay
         )
-        self._layer_adaptation_patterns = _validation.check_regex_list(
+        self._layer_adaptation_patterns = validation.check_regex_list(
             "exclude_from_layer_adaptation", exclude_from_layer_adaptation
         )
         self._layer_adaptation_var_keys = set()
@@ -62,7 +62,7 @@ class LayerwiseExclusionMixin:
         super().exclude_from_weight_decay(var_list=var_list)
         if var_names:
             self._weight_decay_patterns = list(self._weight_decay_patterns or []) + list(
-                _validation.check_regex_list("var_names", list(var_names))
+                validation.check_regex_list("var_names", list(var_names))
             )
 
     def exclude_from_layer_adaptation(self, var_list=None, var_names=None):
@@ -79,7 +79,7 @@ class LayerwiseExclusionMixin:
             self._layer_adaptation_var_keys |= {self._var_key(variable) for variable in var_list}
         if var_names:
             self._layer_adaptation_patterns = list(self._layer_adaptation_patterns or []) + list(
-                _validation.check_regex_list("var_names", list(var_names))
+                validation.check_regex_list("var_names", list(var_names))
             )
 
     def _check_not_built(self, method):

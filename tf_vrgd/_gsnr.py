@@ -47,10 +47,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_vrgd import _validation, functional, statistics
+from tf_vrgd import functional, statistics, validation
 from tf_vrgd._keras_adapters import apply_moving_average, is_update_step
 from tf_vrgd._keras_adapters import decay as _decay
 from tf_vrgd._keras_adapters import tf_variable as _tf_variable
+from tf_vrgd.statistics import variable_path, variable_size
 
 # Variables of at most this many elements (64 KiB in float32) are updated
 # together by `GSNRMixin._packed_update` instead of one by one in the XLA
@@ -130,14 +131,14 @@ class GSNRMixin:
         super().__init__(*args, **kwargs)
         if beta_3 is None:
             beta_3 = self.default_beta_3
-        self.gsnr_interval = _validation.check_integer("gsnr_interval", gsnr_interval, low=1)
-        self.gamma = _validation.check_number("gamma", gamma, low=0.0, high=1.0, low_open=True)
-        self.beta_3 = _validation.check_number("beta_3", beta_3, low=0.0, high=1.0, high_open=True)
-        self.gsnr_epsilon = _validation.check_number(
+        self.gsnr_interval = validation.check_integer("gsnr_interval", gsnr_interval, low=1)
+        self.gamma = validation.check_number("gamma", gamma, low=0.0, high=1.0, low_open=True)
+        self.beta_3 = validation.check_number("beta_3", beta_3, low=0.0, high=1.0, high_open=True)
+        self.gsnr_epsilon = validation.check_number(
             "gsnr_epsilon", gsnr_epsilon, low=0.0, low_open=True
         )
-        self.jit_update = _validation.check_bool("jit_update", jit_update)
-        self._track_gsnr_statistics = _validation.check_bool(
+        self.jit_update = validation.check_bool("jit_update", jit_update)
+        self._track_gsnr_statistics = validation.check_bool(
             "track_gsnr_statistics", track_gsnr_statistics
         )
 
@@ -166,7 +167,7 @@ class GSNRMixin:
 
     @track_gsnr_statistics.setter
     def track_gsnr_statistics(self, value):
-        value = _validation.check_bool("track_gsnr_statistics", value)
+        value = validation.check_bool("track_gsnr_statistics", value)
         if self.built and value != self._track_gsnr_statistics:
             raise ValueError(
                 f"{type(self).__name__}.track_gsnr_statistics cannot change once "
@@ -434,9 +435,9 @@ class GSNRMixin:
 
         The slots are captured, not passed: a captured on-read slot is this
         replica's copy, and a trace is made per replica device. (Passed as
-        arguments, distributed slots were bound at trace time too, so a
-        function shared by several optimizers would write to the slots it
-        was first traced with.)
+        arguments, distributed slots are bound at trace time too, so a
+        function shared by several optimizers writes to the slots it was
+        first traced with.)
         """
         if (indices, squares) in self._moment_accumulations:
             return self._moment_accumulations[(indices, squares)]
@@ -553,8 +554,9 @@ class GSNRMixin:
             # `fn` runs once per device holding the variables, inside that
             # device's update context: one compiled program per device updates
             # all of that device's copies.
-            # (Plain statements: autograph, converting this in a one-device
-            # tf.function, mangled conditional expressions in the call.)
+            # (Plain statements, no conditional expressions in the call:
+            # autograph, converting this inside a one-device tf.function,
+            # mangles them.)
             dense_squares = None
             if measure:
                 dense_squares = reduced[count : 2 * count]
@@ -630,10 +632,9 @@ class GSNRMixin:
         row_update = self._row_sparse_update(sparse_indices, measure=True)
         count = len(indices)
 
-        # Plain Python over fixed lists: nothing for autograph to convert.
-        # (Converted, this closure raised "name 'fused_update' is not
-        # defined" in a one-device tf.function once other tests of the same
-        # process had converted updates of other optimizers.)
+        # Plain Python over fixed lists, kept from autograph: converted inside
+        # a one-device tf.function, in a process that has converted other
+        # optimizers' updates, the closure fails to find `fused_update`.
         @tf.autograph.experimental.do_not_convert
         def device_update(sums, squares, row_moments, *scalars):
             if indices:
@@ -1102,18 +1103,6 @@ def _moments(sum_of_gradients, sum_of_squares, samples, replicas):
     if samples is None:
         return functional.gradient_moments(sum_of_gradients, sum_of_squares, replicas, 1)
     return functional.sample_moments(sum_of_gradients, sum_of_squares, samples)
-
-
-def variable_path(variable):
-    """A variable's path (Keras variables) or name (a plain `tf.Variable`,
-    without its ":0")."""
-    path = getattr(variable, "path", None)
-    return path if path is not None else variable.name.split(":")[0]
-
-
-def variable_size(variable):
-    """A variable's number of elements (its shape is fully defined)."""
-    return int(np.prod(variable.shape, dtype=np.int64))
 
 
 class _Untracked:

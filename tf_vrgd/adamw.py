@@ -3,7 +3,7 @@ configs) as a Keras 3 optimizer."""
 
 import keras
 
-from tf_vrgd import _validation
+from tf_vrgd import validation
 from tf_vrgd._accumulation import ReplicaAccumulationMixin
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 from tf_vrgd._types import Patterns
@@ -39,11 +39,11 @@ class AdamWeightDecay(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.o
         exclude_from_weight_decay: Patterns = None,
         **kwargs,
     ) -> None:
-        _validation.check_learning_rate(learning_rate)
+        validation.check_learning_rate(learning_rate)
         super().__init__(learning_rate, *args, **kwargs)
         self._init_exclusions(exclude_from_weight_decay, None)
         self._include_patterns = (
-            _validation.check_regex_list("include_in_weight_decay", include_in_weight_decay) or None
+            validation.check_regex_list("include_in_weight_decay", include_in_weight_decay) or None
         )
 
     def _use_weight_decay(self, variable):

@@ -32,14 +32,13 @@ a `yaml.SafeLoader` (no arbitrary objects).
 from collections.abc import Callable
 import dataclasses
 import inspect
-import math
 import os
 import re
 
 import keras
 import yaml
 
-from tf_vrgd import _validation, schedules
+from tf_vrgd import schedules, validation
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd.adam import Adam
 from tf_vrgd.adamw import AdamWeightDecay
@@ -434,43 +433,12 @@ def accumulation_steps(cfg: dict | str | os.PathLike) -> int:
     return int(parsed.fields.get("gradient_accumulation_steps") or 1)
 
 
-def _number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
-    # Infinite bounds are open: no field takes an infinite value.
-    return lambda name, value: _validation.check_number(
-        name,
-        value,
-        low=low,
-        high=high,
-        low_open=low_open or low == -math.inf,
-        high_open=high_open or high == math.inf,
-    )
-
-
-def _integer(low):
-    return lambda name, value: _validation.check_integer(name, value, low=low)
-
-
-def _list_of(check):
-    def check_list(name, value):
-        if not isinstance(value, (list, tuple)) or not value:
-            raise ValueError(f"`{name}` must be a non-empty list. Received: {name}={value!r}")
-        return [check(f"{name}[{i}]", item) for i, item in enumerate(value)]
-
-    return check_list
-
-
-def _string(name, value):
-    if not isinstance(value, str):
-        raise ValueError(f"`{name}` must be a string. Received: {name}={value!r}")
-    return value
-
-
-_NON_NEGATIVE = _number(0.0)
+_NON_NEGATIVE = validation.NON_NEGATIVE_NUMBER
 _RATE = _NON_NEGATIVE
-_UNIT_INTERVAL = _number(0.0, 1.0, high_open=True)
-_POSITIVE = _number(0.0, low_open=True)
+_UNIT_INTERVAL = validation.UNIT_INTERVAL
+_POSITIVE = validation.POSITIVE_NUMBER
 # One check per field name, whichever block holds it: the same rule as the
-# constructors' (tf_vrgd._validation), applied when the block is read, so
+# constructors' (tf_vrgd.validation), applied when the block is read, so
 # that a bad value is named with its place in the block.
 FIELD_CHECKS = {
     # learning rates and schedules
@@ -478,50 +446,50 @@ FIELD_CHECKS = {
     "initial_learning_rate": _RATE,
     "end_learning_rate": _RATE,
     "warmup_learning_rate": _RATE,
-    "values": _list_of(_RATE),
-    "decay_steps": _integer(1),
-    "warmup_steps": _integer(0),
-    "offset": _integer(0),
-    "boundaries": _list_of(_integer(0)),
+    "values": validation.list_of(_RATE),
+    "decay_steps": validation.integer(1),
+    "warmup_steps": validation.integer(0),
+    "offset": validation.integer(0),
+    "boundaries": validation.list_of(validation.integer(0)),
     "decay_rate": _POSITIVE,
-    "power": _number(),
-    "alpha": _number(0.0, 1.0),
-    "staircase": _validation.check_bool,
-    "cycle": _validation.check_bool,
+    "power": validation.number(),
+    "alpha": validation.number(0.0, 1.0),
+    "staircase": validation.check_bool,
+    "cycle": validation.check_bool,
     # optimizers
-    "name": _string,
+    "name": validation.string,
     "momentum": _UNIT_INTERVAL,
-    "nesterov": _validation.check_bool,
+    "nesterov": validation.check_bool,
     "beta_1": _UNIT_INTERVAL,
     "beta_2": _UNIT_INTERVAL,
     "epsilon": _NON_NEGATIVE,
-    "amsgrad": _validation.check_bool,
+    "amsgrad": validation.check_bool,
     "weight_decay_rate": _NON_NEGATIVE,
     "weight_decay": _NON_NEGATIVE,
     "eeta": _POSITIVE,
     "trust_coefficient": _POSITIVE,
-    "classic_momentum": _validation.check_bool,
-    "clip": _validation.check_bool,
+    "classic_momentum": validation.check_bool,
+    "clip": validation.check_bool,
     "clipnorm": _POSITIVE,
     "clipvalue": _POSITIVE,
     "global_clipnorm": _POSITIVE,
     "gradient_clip_norm": _NON_NEGATIVE,
-    "gradient_accumulation_steps": _integer(1),
-    "exclude_from_weight_decay": _validation.check_regex_list,
-    "exclude_from_layer_adaptation": _validation.check_regex_list,
-    "include_in_weight_decay": _validation.check_regex_list,
-    "gamma": _number(0.0, 1.0, low_open=True),
+    "gradient_accumulation_steps": validation.integer(1),
+    "exclude_from_weight_decay": validation.check_regex_list,
+    "exclude_from_layer_adaptation": validation.check_regex_list,
+    "include_in_weight_decay": validation.check_regex_list,
+    "gamma": validation.number(0.0, 1.0, low_open=True),
     "beta_3": _UNIT_INTERVAL,
     "gsnr_epsilon": _POSITIVE,
-    "gsnr_interval": _integer(1),
-    "jit_update": _validation.check_bool,
-    "track_gsnr_statistics": _validation.check_bool,
+    "gsnr_interval": validation.integer(1),
+    "jit_update": validation.check_bool,
+    "track_gsnr_statistics": validation.check_bool,
     "decay": _NON_NEGATIVE,
     # ema
-    "average_decay": _number(0.0, 1.0),
-    "dynamic_decay": _validation.check_bool,
-    "trainable_weights_only": _validation.check_bool,
-    "start_step": _integer(0),
+    "average_decay": validation.number(0.0, 1.0),
+    "dynamic_decay": validation.check_bool,
+    "trainable_weights_only": validation.check_bool,
+    "start_step": validation.integer(0),
 }
 
 

@@ -5,7 +5,7 @@ Training BERT in 76 minutes") with TF Model Garden's arguments: coupled
 import keras
 import tensorflow as tf
 
-from tf_vrgd import _validation, functional
+from tf_vrgd import functional, validation
 from tf_vrgd._accumulation import ReplicaAccumulationMixin
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 from tf_vrgd._types import LearningRate, Patterns
@@ -51,11 +51,11 @@ class LAMB(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
         exclude_from_layer_adaptation: Patterns = None,
         **kwargs,
     ) -> None:
-        _validation.check_learning_rate(learning_rate)
+        validation.check_learning_rate(learning_rate)
         super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta_1 = _validation.check_number("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
-        self.beta_2 = _validation.check_number("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
-        self.epsilon = _validation.check_number("epsilon", epsilon, low=0.0)
+        self.beta_1 = validation.check_number("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
+        self.beta_2 = validation.check_number("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
+        self.epsilon = validation.check_number("epsilon", epsilon, low=0.0)
         self._init_exclusions(
             exclude_from_weight_decay, exclude_from_layer_adaptation, weight_decay_rate
         )

@@ -9,7 +9,7 @@ did not save its own settings with the optimizer state; this one does.
 import keras
 import tensorflow as tf
 
-from tf_vrgd import _validation, functional
+from tf_vrgd import functional, validation
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
@@ -79,12 +79,12 @@ class LARC(keras.optimizers.Optimizer):
             raise ValueError(
                 f"`optimizer` is already wrapped by another LARC. Received: optimizer={optimizer!r}"
             )
-        trust_coefficient = _validation.check_number(
+        trust_coefficient = validation.check_number(
             "trust_coefficient", trust_coefficient, low=0.0, low_open=True
         )
-        clip = _validation.check_bool("clip", clip)
-        epsilon = _validation.check_number("epsilon", epsilon, low=0.0)
-        weight_decay = _validation.check_number("weight_decay", weight_decay, low=0.0)
+        clip = validation.check_bool("clip", clip)
+        epsilon = validation.check_number("epsilon", epsilon, low=0.0)
+        weight_decay = validation.check_number("weight_decay", weight_decay, low=0.0)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.trust_coefficient = trust_coefficient

@@ -10,7 +10,7 @@ exclusion lists; this one is a Keras 3 optimizer that does.
 import keras
 import tensorflow as tf
 
-from tf_vrgd import _validation, functional
+from tf_vrgd import functional, validation
 from tf_vrgd._accumulation import ReplicaAccumulationMixin
 from tf_vrgd._exclusion import LayerwiseExclusionMixin
 from tf_vrgd._types import LearningRate, Patterns
@@ -72,13 +72,13 @@ class LARS(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
         exclude_from_layer_adaptation: Patterns = None,
         **kwargs,
     ) -> None:
-        _validation.check_learning_rate(learning_rate)
+        validation.check_learning_rate(learning_rate)
         super().__init__(learning_rate=learning_rate, **kwargs)
-        self.momentum = _validation.check_number(
+        self.momentum = validation.check_number(
             "momentum", momentum, low=0.0, high=1.0, high_open=True
         )
-        self.nesterov = _validation.check_bool("nesterov", nesterov)
-        self.trust_coefficient = _validation.check_number(
+        self.nesterov = validation.check_bool("nesterov", nesterov)
+        self.trust_coefficient = validation.check_number(
             "trust_coefficient", trust_coefficient, low=0.0, low_open=True
         )
         self._init_exclusions(

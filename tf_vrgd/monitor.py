@@ -111,8 +111,8 @@ class GSNRMonitor(keras.callbacks.Callback):
         variables = self._optimizer.trainable_variables_in_order()
         return statistics.log_entries(
             sums,
-            [_gsnr.variable_path(v) for v in variables],
-            [_gsnr.variable_size(v) for v in variables],
+            [statistics.variable_path(v) for v in variables],
+            [statistics.variable_size(v) for v in variables],
             self.per_variable,
         )
 

@@ -80,3 +80,16 @@ def log_entries(
             for name in NAMES:
                 entries[f"{LOG_KEYS[name]}/{path}"] = summary[name]
     return entries
+
+
+def variable_path(variable) -> str:
+    """A variable's path, the key of its statistics (a Keras variable's
+    `path`; a plain `tf.Variable`'s name without its ":0")."""
+    path = getattr(variable, "path", None)
+    return path if path is not None else variable.name.split(":")[0]
+
+
+def variable_size(variable) -> int:
+    """A variable's number of elements, the weight of its statistics in
+    model-wide averages (its shape is fully defined)."""
+    return int(np.prod(variable.shape, dtype=np.int64))

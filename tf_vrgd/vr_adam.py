@@ -3,7 +3,7 @@ Signal to Noise Ratio")."""
 
 import keras
 
-from tf_vrgd import _validation
+from tf_vrgd import validation
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd._types import LearningRate
 
@@ -38,10 +38,10 @@ class VRAdam(GSNRMixin, keras.optimizers.Adam):
         epsilon: float = 1e-7,
         **kwargs,
     ) -> None:
-        _validation.check_learning_rate(learning_rate)
+        validation.check_learning_rate(learning_rate)
         for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
-            _validation.check_number(name, value, low=0.0, high=1.0, high_open=True)
-        _validation.check_number("epsilon", epsilon, low=0.0)
+            validation.check_number(name, value, low=0.0, high=1.0, high_open=True)
+        validation.check_number("epsilon", epsilon, low=0.0)
         super().__init__(
             learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, **kwargs
         )

@@ -4,7 +4,7 @@ an algorithm box)."""
 
 import keras
 
-from tf_vrgd import _validation
+from tf_vrgd import validation
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd._types import LearningRate
 
@@ -42,9 +42,9 @@ class VRSGD(GSNRMixin, keras.optimizers.SGD):
         nesterov: bool = False,
         **kwargs,
     ) -> None:
-        _validation.check_learning_rate(learning_rate)
-        _validation.check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
-        _validation.check_bool("nesterov", nesterov)
+        validation.check_learning_rate(learning_rate)
+        validation.check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
+        validation.check_bool("nesterov", nesterov)
         super().__init__(
             learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs
         )

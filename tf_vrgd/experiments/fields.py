@@ -7,51 +7,24 @@ nothing reads.
 
 import difflib
 
-from tf_vrgd import _validation
+from tf_vrgd import validation
 
 
-def _integer(low):
-    return lambda name, value: _validation.check_integer(name, value, low=low)
-
-
-def _number(low, high=None, high_open=False):
-    return lambda name, value: _validation.check_number(
-        name, value, low=low, high=high, high_open=high_open
-    )
-
-
-def _string(name, value):
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"`{name}` must be a non-empty string. Received: {name}={value!r}")
-    return value
+def _path_or_paths(name, value):
+    """Model Garden's `input_path`: a string (comma-separated globs)."""
+    if isinstance(value, (list, tuple)) and value:
+        return ",".join(validation.non_empty_string(name, v) for v in value)
+    return validation.non_empty_string(name, value)
 
 
 def _as_given(name, value):
     return value
 
 
-def _list_of(check, length=None):
-    def checked(name, value):
-        if not isinstance(value, (list, tuple)) or not value:
-            raise ValueError(f"`{name}` must be a non-empty list. Received: {name}={value!r}")
-        if length is not None and len(value) != length:
-            raise ValueError(f"`{name}` must hold {length} values. Received: {name}={value!r}")
-        return [check(f"{name}[{i}]", v) for i, v in enumerate(value)]
-
-    return checked
-
-
-def _path_or_paths(name, value):
-    """Model Garden's `input_path`: a string (comma-separated globs)."""
-    if isinstance(value, (list, tuple)) and value:
-        return ",".join(_string(name, v) for v in value)
-    return _string(name, value)
-
-
 def _true(name, value):
     """Model Garden's `task.losses.one_hot`: the image tasks here train on
     one-hot labels only."""
-    if _validation.check_bool(name, value) is not True:
+    if validation.check_bool(name, value) is not True:
         raise ValueError(
             f"`{name}` must be true: vrgd-train's image tasks train on one-hot labels. "
             f"Received: {name}={value!r}"
@@ -59,8 +32,9 @@ def _true(name, value):
     return value
 
 
-_POSITIVE = _integer(1)
-_PROBABILITY = _number(0.0, 1.0, high_open=True)
+_POSITIVE = validation.POSITIVE_INTEGER
+_PROBABILITY = validation.UNIT_INTERVAL
+_string = validation.non_empty_string
 
 # Dotted path -> check(name, value) returning the value to use.
 FIELDS = {
@@ -70,8 +44,8 @@ FIELDS = {
     "trainer.validation_steps": _POSITIVE,
     "trainer.max_to_keep": _POSITIVE,
     # runtime
-    "runtime.seed": _integer(0),
-    "runtime.num_gpus": _integer(0),
+    "runtime.seed": validation.integer(0),
+    "runtime.num_gpus": validation.integer(0),
     "runtime.distribution_strategy": _string,
     # Checked against their choices where they are read (task_runs).
     "runtime.mixed_precision_dtype": _as_given,
@@ -79,7 +53,7 @@ FIELDS = {
     # data
     "task.init_checkpoint": _string,
     "task.losses.label_smoothing": _PROBABILITY,
-    "task.losses.l2_weight_decay": _number(0.0),
+    "task.losses.l2_weight_decay": validation.NON_NEGATIVE_NUMBER,
     "task.losses.one_hot": _true,
     # the Fashion-MNIST CNN
     "task.model.type": _string,
@@ -96,13 +70,13 @@ FIELDS = {
     "task.model.encoder.bert.dropout_rate": _PROBABILITY,
     # ResNets
     "task.model.resnet.model_id": _POSITIVE,
-    "task.model.input_size": _list_of(_POSITIVE, length=3),
-    "task.model.num_classes": _integer(2),
+    "task.model.input_size": validation.list_of(_POSITIVE, length=3),
+    "task.model.num_classes": validation.integer(2),
     # DLRM
-    "task.model.vocab_sizes": _list_of(_POSITIVE),
+    "task.model.vocab_sizes": validation.list_of(_POSITIVE),
     "task.model.embedding_dim": _POSITIVE,
-    "task.model.bottom_mlp": _list_of(_POSITIVE),
-    "task.model.top_mlp": _list_of(_POSITIVE),
+    "task.model.bottom_mlp": validation.list_of(_POSITIVE),
+    "task.model.top_mlp": validation.list_of(_POSITIVE),
     "task.model.num_dense_features": _POSITIVE,
 }
 for _split in ("train_data", "validation_data"):
@@ -110,7 +84,7 @@ for _split in ("train_data", "validation_data"):
         {
             f"task.{_split}.global_batch_size": _POSITIVE,
             f"task.{_split}.input_path": _path_or_paths,
-            f"task.{_split}.drop_remainder": _validation.check_bool,
+            f"task.{_split}.drop_remainder": validation.check_bool,
             f"task.{_split}.seq_length": _POSITIVE,
             f"task.{_split}.max_predictions_per_seq": _POSITIVE,
             f"task.{_split}.tfds_name": _string,

@@ -1,9 +1,15 @@
-"""Hyper-parameter checks shared by the constructors.
+"""Argument checks shared by the constructors and by the config readers
+(`tf_vrgd.config` for optimization blocks, `tf_vrgd.experiments.fields`
+for the task, trainer and runtime fields).
 
 Every check raises `ValueError` naming the argument and the value received,
-at construction time, never at the first update.
+at construction time (or when a config is read), never at the first
+update. The `check_*` functions check one value; `number`, `integer`,
+`string`, `non_empty_string` and `list_of` make checks of the form
+``check(name, value) -> value`` for tables of fields.
 """
 
+import math
 import numbers
 
 
@@ -94,3 +100,60 @@ def check_regex_list(name, value):
                 f"({error}). Received: {name}={value!r}"
             ) from None
     return list(value)
+
+
+def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
+    """A check of a real number in [low, high] (each bound open if asked;
+    infinite bounds always are: no field takes an infinite value)."""
+    return lambda name, value: check_number(
+        name,
+        value,
+        low=low,
+        high=high,
+        low_open=low_open or low == -math.inf,
+        high_open=high_open or high == math.inf,
+    )
+
+
+def integer(low):
+    """A check of an integer >= `low`."""
+    return lambda name, value: check_integer(name, value, low=low)
+
+
+def string(name, value):
+    """A string (empty allowed)."""
+    if not isinstance(value, str):
+        raise ValueError(f"`{name}` must be a string. Received: {name}={value!r}")
+    return value
+
+
+def non_empty_string(name, value):
+    """A string that is not empty."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"`{name}` must be a non-empty string. Received: {name}={value!r}")
+    return value
+
+
+def list_of(check, length=None):
+    """A check of a non-empty list (or tuple) of values each passing
+    `check` (named ``name[i]``), of `length` values if given; returns a
+    list."""
+
+    def checked(name, value):
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"`{name}` must be a non-empty list. Received: {name}={value!r}")
+        if length is not None and len(value) != length:
+            raise ValueError(f"`{name}` must hold {length} values. Received: {name}={value!r}")
+        return [check(f"{name}[{i}]", item) for i, item in enumerate(value)]
+
+    return checked
+
+
+#: A real number > 0.
+POSITIVE_NUMBER = number(0.0, low_open=True)
+#: A real number >= 0.
+NON_NEGATIVE_NUMBER = number(0.0)
+#: A real number in [0, 1).
+UNIT_INTERVAL = number(0.0, 1.0, high_open=True)
+#: An integer >= 1.
+POSITIVE_INTEGER = integer(1)
