@@ -224,3 +224,40 @@ def test_statistics_are_off_by_default_and_say_how_to_turn_them_on():
 def test_monitor_rejects_bad_update_freq(update_freq):
     with pytest.raises(ValueError, match="update_freq"):
         tf_vrgd.GSNRMonitor(update_freq=update_freq)
+
+
+def test_batch_logs_between_gsnr_updates_hold_no_gsnr_entries():
+    """gsnr_interval = 3: batch logs (update_freq=1) carry the statistics
+    after a GSNR update only, never NaN; the epoch's are finite."""
+
+    class Logs(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.batches = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            values = [v for k, v in logs.items() if k.startswith("gsnr_")]
+            assert all(np.isfinite(values)), (batch, logs)
+            if values:
+                self.batches.append(batch)
+
+    x, y = _fit_data(16 * 12)
+    model = helpers.make_model()
+    # One device: k = 2 from two micro-steps; updates end on odd batches.
+    model.compile(
+        optimizer=tf_vrgd.VRSGD(
+            0.01, gradient_accumulation_steps=2, gsnr_interval=3, track_gsnr_statistics=True
+        ),
+        loss="mse",
+    )
+    logs = Logs()
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+        callbacks=[tf_vrgd.GSNRMonitor(update_freq=1), logs],
+    )
+    # Updates 1, 4 (GSNR updates 1, N + 1) end at batches 1 and 7.
+    assert logs.batches == [1, 7]
+    assert np.isfinite(history.history["gsnr_mean"][0])

@@ -187,3 +187,63 @@ def test_rows_with_accumulation_under_xla_on_one_device(name):
     assert_matches(
         [v.numpy() for v in variables], expected, f"{name} row-sparse {{what}}, XLA, 1 x 2"
     )
+
+
+def test_gamma_one_is_keras_dense_rule_on_repeated_ids(strategy):
+    """With gamma = 1, VR-Adam on a table's rows equals Keras' Adam given
+    the same gradient made dense (repeated ids summed first), not Keras'
+    Adam given the rows: Keras' sparse path adds each lookup's square to
+    the second moment apart, which differs where an id repeats."""
+    stream = row_stream(steps=3, replicas=4, rows_per_replica=6, seed=11)
+    assert any(len(set(ids)) < len(ids) for step in stream for ids, _, _ in step)
+    _, vr, _ = run(strategy, lambda: tf_vrgd.VRAdam(0.05, gamma=1.0), stream)
+    _, dense, _ = run(strategy, lambda: keras.optimizers.Adam(0.05), stream, dense=True)
+    _, sparse, _ = run(strategy, lambda: keras.optimizers.Adam(0.05), stream)
+    ref.assert_close(vr[0], dense[0], "VR-Adam gamma=1 vs Keras Adam (dense), repeated ids")
+    assert np.max(np.abs(vr[0] - sparse[0])) > 1e-3
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("name", ["VR-SGD", "VR-Adam", "VR-LARS", "VR-LAMB"])
+def test_a_rank_one_table_matches_the_reference(strategy, name, accumulation):
+    """A per-item bias looked up by id (`ops.take(bias, ids, axis=0)`)
+    gives rank-1 `tf.IndexedSlices`: against the reference on the same
+    samples made dense."""
+    case = CASES[name]
+    table_rows, replicas = 10, strategy.num_replicas_in_sync
+    rng = np.random.default_rng(12)
+    steps = 3 * accumulation
+    ids = rng.integers(0, table_rows, (steps, replicas, 4)).astype(np.int32)
+    ids[..., -1] = ids[..., 0]  # a repeated id in every batch
+    values = rng.standard_normal((steps, replicas, 4)).astype(np.float32)
+    initial = rng.standard_normal(table_rows).astype(np.float32)
+    with strategy.scope():
+        bias = keras.Variable(initial, name="bias")
+        extra = {"gradient_accumulation_steps": accumulation} if accumulation > 1 else {}
+        optimizer = case.make(**extra)
+        optimizer.build([bias])
+
+    @tf.function
+    def step(ids, values):
+        def replica_fn():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            rows = tf.IndexedSlices(
+                values[replica] / replicas, ids[replica], tf.constant([table_rows])
+            )
+            optimizer.apply([rows], [bias])
+
+        strategy.run(replica_fn)
+
+    samples = []
+    for s in range(steps):
+        step(tf.constant(ids[s]), tf.constant(values[s]))
+        for r in range(replicas):
+            dense = np.zeros(table_rows)
+            np.add.at(dense, ids[s, r], values[s, r].astype(np.float64))
+            samples.append(dense)
+    k = replicas * accumulation
+    updates = [[np.stack(samples[u * k : (u + 1) * k])] for u in range(steps // accumulation)]
+    expected = ref.VRReference([initial], case.rule, 0.1, case.beta_3)
+    for update in updates:
+        weights = expected.update(update)
+    ref.assert_close(bias.numpy(), weights[0], f"{name} rank-1 table", rtol=1e-4)

@@ -287,7 +287,7 @@ class GSNRMixin:
                 "context (inside `strategy.run`), where each replica holds its "
                 "own gradient."
             )
-        grads = [functional.as_float32_slices(g) for g in grads]
+        grads = [_float32_rows_or_dense(g) for g in grads]
         if self.clipnorm or self.clipvalue or self.global_clipnorm:
             # Keras clips dense tensors: no row-sparse path with clipping.
             grads = self._clip_gradients([functional.as_float32(g) for g in grads])
@@ -991,6 +991,18 @@ def find_vr_optimizer(optimizer: keras.optimizers.Optimizer | None) -> GSNRMixin
 def _rows(variable):
     """The shape of a per-row slot of `variable`, None for a scalar."""
     return (variable.shape[0],) if len(variable.shape) else None
+
+
+def _float32_rows_or_dense(gradient):
+    """`gradient` in float32: row-sparse if it is a `tf.IndexedSlices` of a
+    table of rank 2 or more (an embedding), dense otherwise. A rank-1
+    table's rows are single numbers (a per-item bias looked up by id), and
+    the row path lays a row's sum and square side by side along its last
+    axis, which such rows do not have; made dense, it costs one number per
+    row of the table."""
+    if isinstance(gradient, tf.IndexedSlices) and gradient.values.shape.rank == 1:
+        return functional.as_float32(gradient)
+    return functional.as_float32_slices(gradient)
 
 
 def _at_least_one_row(slices):

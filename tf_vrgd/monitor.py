@@ -29,8 +29,12 @@ class GSNRMonitor(keras.callbacks.Callback):
 
     List it before `keras.callbacks.TensorBoard` (callbacks see `logs` in list
     order); TensorBoard then writes ``epoch_gsnr_mean`` and the rest.
-    Values are NaN over a span without updates (e.g. every step skipped by a
-    `LossScaleOptimizer`).
+    The statistics describe GSNR updates only (with ``gsnr_interval = N``,
+    one update in N): batch logs get no GSNR entries for a span without a
+    GSNR update (nothing was measured, so nothing is written, rather than
+    NaN); epoch logs get NaN for an epoch without one (so that `History`
+    keeps one value per epoch), e.g. when a `LossScaleOptimizer` skipped
+    every step.
 
     Args:
         update_freq: `"epoch"`, or log into batch logs every this many
@@ -103,6 +107,8 @@ class GSNRMonitor(keras.callbacks.Callback):
             if self._last_sums is not None:
                 span = sums - self._last_sums
             self._last_sums = sums
+            if not (span[:, -1] > 0).any():  # the update counts: no GSNR update
+                return
         logs.update(self.statistics_logs(span))
 
     def statistics_logs(self, sums):
