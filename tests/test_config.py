@@ -577,3 +577,32 @@ def test_accumulation_steps_reads_larc_inner_optimizer():
         config.accumulation_steps(
             _block(optimizer={"type": "larc", "larc": {"optimizer": {"type": "nadam"}}})
         )
+
+
+@pytest.mark.parametrize("form", ["list", "dict", "self"])
+def test_a_yaml_alias_bomb_is_refused_quickly(form, tmp_path):
+    """A few hundred bytes of aliases of aliases load at once (YAML shares
+    the aliased block) but expand to 9^9 values in any walk of the config;
+    a block containing itself expands forever."""
+    import time
+
+    if form == "self":
+        text = "task: &a\n  model: [*a]\n"
+    else:
+        one = "[1, 1, 1, 1, 1, 1, 1, 1, 1]" if form == "list" else "{a: 1, b: 1, c: 1}"
+        lines = [f"l0: &l0 {one}"]
+        for i in range(1, 10):
+            items = ", ".join([f"*l{i - 1}"] * 9)
+            if form == "list":
+                lines.append(f"l{i}: &l{i} [{items}]")
+            else:
+                keys = ", ".join(f"k{j}: *l{i - 1}" for j in range(9))
+                lines.append(f"l{i}: &l{i} {{{keys}}}")
+        text = "\n".join(lines) + "\n"
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    assert len(text) < 2048
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="aliases"):
+        config.load(str(path))
+    assert time.perf_counter() - start < 5.0

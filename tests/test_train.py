@@ -331,3 +331,60 @@ def test_a_larc_block_counts_its_inner_optimizers_micro_steps():
     # 2 epochs of 29 batches of 2048 are 29 updates of 2 micro-steps.
     assert experiment.steps_per_epoch == 29
     assert experiment.block["learning_rate"]["cosine"]["decay_steps"] == 29
+
+
+def test_an_output_that_cannot_be_a_folder_is_named(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    for output, cause in (
+        (taken, "a file of that name exists"),
+        (taken / "sub", "Not a directory"),
+    ):
+        with pytest.raises(SystemExit) as raised:
+            run_folder.prepare_folder(str(output))
+        assert str(raised.value) == (
+            f"vrgd-train: --output {output} cannot be used as the run's folder ({cause})."
+        )
+
+
+def test_a_failed_checkpoint_write_leaves_no_partial_file_and_names_the_path(tmp_path):
+    import errno
+
+    class FullDisk:
+        def save(self, path):
+            with open(path, "w") as f:
+                f.write("half a checkpoint")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    (tmp_path / "checkpoint-epoch1.keras").write_text("intact")
+    with pytest.raises(SystemExit) as raised:
+        run_folder.save_checkpoint(FullDisk(), str(tmp_path), 2)
+    message = str(raised.value)
+    assert str(tmp_path / "checkpoint-epoch2.keras") in message
+    assert "No space left on device" in message and "resume" in message
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-epoch1.keras"]
+
+
+def test_a_second_run_on_a_live_folder_is_refused_until_the_first_ends(tmp_path):
+    """The lock is the system's: a killed holder leaves nothing stuck."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from tf_vrgd.experiments import run_folder; "
+            "run_folder.lock_folder(sys.argv[1]); print('held', flush=True); time.sleep(120)",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match=rf"in use by another run \(process {holder.pid}\)"):
+            run_folder.lock_folder(str(tmp_path))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    run_folder.lock_folder(str(tmp_path))  # taken now
+    run_folder.lock_folder(str(tmp_path))  # and again in the same process

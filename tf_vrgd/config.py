@@ -404,7 +404,36 @@ def load(cfg: dict | str | os.PathLike) -> dict:
         if isinstance(loaded, str) and " " not in loaded and os.sep in loaded:
             raise ValueError(f"The config file {cfg!r} does not exist.")
         raise ValueError(f"The YAML does not hold a mapping. Received: {cfg[:200]!r}")
+    _check_expanded_size(loaded)
     return loaded
+
+
+# The values a config may hold once YAML's aliases are expanded: a whole
+# experiment holds a few hundred.
+MAX_CONFIG_VALUES = 100_000
+
+
+def _check_expanded_size(loaded):
+    """Raises ValueError if `loaded` holds more than `MAX_CONFIG_VALUES`
+    values with its aliases expanded. YAML shares an aliased block instead
+    of copying it, so a few lines of aliases of aliases load at once but
+    expand exponentially (or forever, for a block that contains itself) in
+    any later walk of the config. Counts by walking, stopping at the bound:
+    its cost is the bound's, whatever the config."""
+    count, stack = 0, [loaded]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ValueError(
+                f"The config holds more than {MAX_CONFIG_VALUES:,} values once its YAML "
+                "aliases are expanded (aliases of aliases repeat a block exponentially): "
+                "refused. Write the repeated values out, or use fewer aliases."
+            )
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def optimization_block(cfg: dict | str | os.PathLike) -> dict:

@@ -3,7 +3,9 @@ the checkpoints (written whole, the unreadable ones named and skipped), the
 settings a resume must match, each run's optimization block and the
 summary."""
 
+import contextlib
 import csv
+import fcntl
 import json
 import os
 import shutil
@@ -99,11 +101,22 @@ def remove_partial_checkpoints(run_dir):
 def save_checkpoint(model, run_dir, epochs_done, keep=1):
     """Model and optimizer after `epochs_done` epochs, written under a
     temporary name and renamed (a kill leaves the previous one intact); all
-    but the newest `keep` checkpoints are removed afterwards."""
+    but the newest `keep` checkpoints are removed afterwards. A write that
+    fails (a full disk) removes its partial file and stops the run, naming
+    the path and the cause; a rerun resumes from the checkpoint before."""
     path = os.path.join(run_dir, f"checkpoint-epoch{epochs_done}.keras")
     tmp = os.path.join(run_dir, f"tmp{os.getpid()}.keras")
-    model.save(tmp)
-    os.replace(tmp, path)
+    try:
+        model.save(tmp)
+        os.replace(tmp, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise SystemExit(
+            f"vrgd-train: writing the checkpoint {path} failed "
+            f"({error.strerror or error}); the checkpoint before it is intact: free "
+            "the room and rerun the command to resume."
+        ) from None
     for epochs, old in _checkpoints(run_dir).items():
         if epochs <= epochs_done - keep:
             os.remove(old)
@@ -125,6 +138,60 @@ def gsnr_entries(model, vr_optimizer):
         for column, key in statistics.LOG_KEYS.items():
             entries[f"{key}/{path}"] = stats[column]
     return entries
+
+
+LOCK_FILE = ".lock"
+
+
+def prepare_folder(output):
+    """Makes `--output` (if missing) and checks that it can be written,
+    naming the path and the cause otherwise (a file of that name, a
+    read-only mount, no permission)."""
+    try:
+        os.makedirs(output, exist_ok=True)
+        probe = os.path.join(output, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        cause = error.strerror or str(error)
+        if os.path.exists(output) and not os.path.isdir(output):
+            cause = "a file of that name exists"
+        raise SystemExit(
+            f"vrgd-train: --output {output} cannot be used as the run's folder ({cause})."
+        ) from None
+
+
+# The lock files this process holds, by folder (open until it ends).
+_HELD = {}
+
+
+def lock_folder(output):
+    """Takes `output` for this process (once; a second call is a no-op): an
+    exclusive lock on its lock file, held until the process ends, killed
+    or not, when the system releases it. Raises SystemExit, naming the
+    holder, if another process holds it (a second start would train the
+    same runs and clean up the first one's checkpoint files mid-save)."""
+    key = os.path.realpath(output)
+    if key in _HELD:
+        return
+    path = os.path.join(output, LOCK_FILE)
+    lock = open(path, "a+")  # noqa: SIM115 (held open until the process ends)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise SystemExit(
+            f"vrgd-train: {output} is in use by another run ({holder}); wait for it to end, "
+            "or use another --output."
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"process {os.getpid()}\n")
+    lock.flush()
+    _HELD[key] = lock
 
 
 SETTINGS_FILE = "settings.json"

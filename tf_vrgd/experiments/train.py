@@ -26,7 +26,7 @@ import os
 import shutil
 import sys
 
-from tf_vrgd.experiments import distribution, reporting
+from tf_vrgd.experiments import distribution, reporting, run_folder
 from tf_vrgd.experiments.experiment_config import (
     apply_overrides,
     check_runs,
@@ -166,7 +166,11 @@ def prepare_output(args, experiment, write=True):
 
     if args.deterministic:
         tf.config.experimental.enable_op_determinism()
-    os.makedirs(args.output, exist_ok=True)
+    run_folder.prepare_folder(args.output)
+    if write:
+        # The writing process (the chief of a multi-worker run) holds the
+        # folder until it ends.
+        run_folder.lock_folder(args.output)
     check_settings(
         args.output,
         experiment.settings(args.compare),
