@@ -327,6 +327,6 @@ def run_lars(weights, stream, lr, decays=None, adapts=None, **hyper):
     return run(weights, lars(lr, decays, adapts or decays, **hyper), stream)
 
 
-def run_larc_sgd(weights, stream, lr, momentum=0.0, nesterov=False, **larc):
+def run_larc_sgd(weights, stream, lr, momentum=0.0, nesterov=False, **hyper):
     """The weights after LARC around Keras SGD applies `stream`."""
-    return run(weights, larc(sgd(lr, momentum, nesterov), lr, **larc), stream)
+    return run(weights, larc(sgd(lr, momentum, nesterov), lr, **hyper), stream)

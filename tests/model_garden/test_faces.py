@@ -223,3 +223,20 @@ def test_a_loss_scale_optimizer_around_a_face(strategy):
     # tf_keras counts a skipped step (Model Garden's global step does too).
     assert int(wrapped.inner_optimizer.iterations.numpy()) == 4
     assert float(wrapped.loss_scale.numpy()) == scale / 2
+
+
+@pytest.mark.parametrize("name", ["VRAdam", "VRLAMB"])
+def test_a_face_with_accumulation_updates_as_its_twin(strategy, name):
+    """k = 4 replicas x 2 micro-steps: each `apply_gradients` call of Model
+    Garden's step is a micro-step; the twin accumulates and updates every
+    second call."""
+    arguments = {**ARGUMENTS[name], "gradient_accumulation_steps": 2}
+    stream = helpers.gradient_stream(SHAPES, steps=6, replicas=4, scales=[1, 0.1, 2, 0.5])
+    got, face = _run_face(strategy, name, stream, arguments)
+    with strategy.scope():
+        variables = [keras.Variable(w) for w in _initial()]
+        twin = getattr(tf_vrgd, name)(**arguments)
+    helpers.apply_stream_mirrored(strategy, twin, variables, stream)
+    for g, e in zip(got, variables):
+        ref.assert_close(g, e.numpy(), f"{name} face vs twin, 4 replicas x 2 micro-steps")
+    assert int(face.iterations.numpy()) == 3

@@ -105,9 +105,9 @@ class KerasOptimizerFace(tf_keras.optimizers.legacy.Optimizer):
     def _current_learning_rate(self):
         rate = self.learning_rate_argument
         if isinstance(rate, tf_keras.optimizers.schedules.LearningRateSchedule):
-            # Updates, with gradient accumulation too (Keras 3's
-            # `iterations`), as Model Garden's schedules count them.
-            # An int64 step, as tf_keras' own optimizers pass theirs.
+            # The update count (Keras 3's `iterations` counts updates under
+            # accumulation too, as Model Garden's schedules do), as int64,
+            # the type tf_keras' own optimizers pass.
             step = tf.cast(self._keras_optimizer.iterations, tf.int64)
             return tf.cast(rate(step), tf.float32)
         return tf.cast(rate, tf.float32)

@@ -38,12 +38,10 @@ def _annotation(name, default):
         return list[str] | None
     if name == "name":
         return str | None
-    if isinstance(default, bool):
-        return bool
-    if isinstance(default, int) and name != "gradient_accumulation_steps":
-        return int
     if name == "gradient_accumulation_steps":
         return int | None
+    if isinstance(default, bool | int):
+        return type(default)
     return float | None
 
 
