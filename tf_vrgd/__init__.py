@@ -12,6 +12,7 @@ from tf_vrgd.adamw import AdamWeightDecay
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
+from tf_vrgd.loss_scale import LossScaleOptimizer
 from tf_vrgd.monitor import GSNRMonitor
 from tf_vrgd.replica_noise import independent_replica_noise
 from tf_vrgd.sgd import SGD
@@ -33,6 +34,7 @@ __all__ = [
     "Adam",
     "AdamWeightDecay",
     "GSNRMonitor",
+    "LossScaleOptimizer",
     "VRAdam",
     "__version__",
     "find_vr_optimizer",

@@ -24,8 +24,9 @@ from tf_vrgd.experiments import experiment_config, run_folder
 DEFAULT_CHECKPOINT_INTERVAL = 1000
 
 # Model Garden's `runtime.mixed_precision_dtype`: the Keras dtype policy.
-# Under float16 Keras' `compile` wraps the optimizer in a
-# `LossScaleOptimizer` (dynamic loss scale; VR optimizers read through it).
+# Under float16 the optimizer goes into `tf_vrgd.LossScaleOptimizer`
+# (dynamic loss scale, every replica's overflow counted; VR optimizers read
+# through it), which Keras' `compile` keeps instead of wrapping in its own.
 DTYPE_POLICIES = {"float32": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
 
 
@@ -315,9 +316,10 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
         # Dropout masks of their own on each replica (Keras draws one for
         # all): the per-replica gradients are separate samples.
         tf_vrgd.independent_replica_noise(model)
-        model.compile(
-            optimizer=config.optimizer_from_config(block), **experiment.task.compile_args()
-        )
+        optimizer = config.optimizer_from_config(block)
+        if experiment.dtype_policy == "mixed_float16":
+            optimizer = tf_vrgd.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer, **experiment.task.compile_args())
         vr_optimizer = find_vr_optimizer(model.optimizer)
         if vr_optimizer is not None:
             # Read at build.
