@@ -462,10 +462,8 @@ def accumulation_steps(cfg: dict | str | os.PathLike) -> int:
     return int(parsed.fields.get("gradient_accumulation_steps") or 1)
 
 
-_NON_NEGATIVE = validation.NON_NEGATIVE_NUMBER
-_RATE = _NON_NEGATIVE
-_UNIT_INTERVAL = validation.UNIT_INTERVAL
-_POSITIVE = validation.POSITIVE_NUMBER
+# Learning rates and the values of rate schedules.
+_RATE = validation.NON_NEGATIVE_NUMBER
 # One check per field name, whichever block holds it: the same rule as the
 # constructors' (tf_vrgd.validation), applied when the block is read, so
 # that a bad value is named with its place in the block.
@@ -480,40 +478,40 @@ FIELD_CHECKS = {
     "warmup_steps": validation.integer(0),
     "offset": validation.integer(0),
     "boundaries": validation.list_of(validation.integer(0)),
-    "decay_rate": _POSITIVE,
+    "decay_rate": validation.POSITIVE_NUMBER,
     "power": validation.number(),
     "alpha": validation.number(0.0, 1.0),
     "staircase": validation.check_bool,
     "cycle": validation.check_bool,
     # optimizers
     "name": validation.string,
-    "momentum": _UNIT_INTERVAL,
+    "momentum": validation.UNIT_INTERVAL,
     "nesterov": validation.check_bool,
-    "beta_1": _UNIT_INTERVAL,
-    "beta_2": _UNIT_INTERVAL,
-    "epsilon": _NON_NEGATIVE,
+    "beta_1": validation.UNIT_INTERVAL,
+    "beta_2": validation.UNIT_INTERVAL,
+    "epsilon": validation.NON_NEGATIVE_NUMBER,
     "amsgrad": validation.check_bool,
-    "weight_decay_rate": _NON_NEGATIVE,
-    "weight_decay": _NON_NEGATIVE,
-    "eeta": _POSITIVE,
-    "trust_coefficient": _POSITIVE,
+    "weight_decay_rate": validation.NON_NEGATIVE_NUMBER,
+    "weight_decay": validation.NON_NEGATIVE_NUMBER,
+    "eeta": validation.POSITIVE_NUMBER,
+    "trust_coefficient": validation.POSITIVE_NUMBER,
     "classic_momentum": validation.check_bool,
     "clip": validation.check_bool,
-    "clipnorm": _POSITIVE,
-    "clipvalue": _POSITIVE,
-    "global_clipnorm": _POSITIVE,
-    "gradient_clip_norm": _NON_NEGATIVE,
+    "clipnorm": validation.POSITIVE_NUMBER,
+    "clipvalue": validation.POSITIVE_NUMBER,
+    "global_clipnorm": validation.POSITIVE_NUMBER,
+    "gradient_clip_norm": validation.NON_NEGATIVE_NUMBER,
     "gradient_accumulation_steps": validation.integer(1),
     "exclude_from_weight_decay": validation.check_regex_list,
     "exclude_from_layer_adaptation": validation.check_regex_list,
     "include_in_weight_decay": validation.check_regex_list,
     "gamma": validation.number(0.0, 1.0, low_open=True),
-    "beta_3": _UNIT_INTERVAL,
-    "gsnr_epsilon": _POSITIVE,
+    "beta_3": validation.UNIT_INTERVAL,
+    "gsnr_epsilon": validation.POSITIVE_NUMBER,
     "gsnr_interval": validation.integer(1),
     "jit_update": validation.check_bool,
     "track_gsnr_statistics": validation.check_bool,
-    "decay": _NON_NEGATIVE,
+    "decay": validation.NON_NEGATIVE_NUMBER,
     # ema
     "average_decay": validation.number(0.0, 1.0),
     "dynamic_decay": validation.check_bool,

@@ -32,63 +32,59 @@ def _true(name, value):
     return value
 
 
-_POSITIVE = validation.POSITIVE_INTEGER
-_PROBABILITY = validation.UNIT_INTERVAL
-_string = validation.non_empty_string
-
 # Dotted path -> check(name, value) returning the value to use.
 FIELDS = {
     # trainer
-    "trainer.train_steps": _POSITIVE,
-    "trainer.checkpoint_interval": _POSITIVE,
-    "trainer.validation_steps": _POSITIVE,
-    "trainer.max_to_keep": _POSITIVE,
+    "trainer.train_steps": validation.POSITIVE_INTEGER,
+    "trainer.checkpoint_interval": validation.POSITIVE_INTEGER,
+    "trainer.validation_steps": validation.POSITIVE_INTEGER,
+    "trainer.max_to_keep": validation.POSITIVE_INTEGER,
     # runtime
     "runtime.seed": validation.integer(0),
     "runtime.num_gpus": validation.integer(0),
-    "runtime.distribution_strategy": _string,
+    "runtime.distribution_strategy": validation.non_empty_string,
     # Checked against their choices where they are read (task_runs).
     "runtime.mixed_precision_dtype": _as_given,
     "runtime.loss_scale": _as_given,
     # data
-    "task.init_checkpoint": _string,
-    "task.losses.label_smoothing": _PROBABILITY,
+    "task.init_checkpoint": validation.non_empty_string,
+    "task.losses.label_smoothing": validation.UNIT_INTERVAL,
     "task.losses.l2_weight_decay": validation.NON_NEGATIVE_NUMBER,
     "task.losses.one_hot": _true,
     # the Fashion-MNIST CNN
-    "task.model.type": _string,
-    "task.model.width": _POSITIVE,
+    "task.model.type": validation.non_empty_string,
+    "task.model.width": validation.POSITIVE_INTEGER,
     # BERT
-    "task.model.encoder.type": _string,
-    "task.model.encoder.bert.vocab_size": _POSITIVE,
-    "task.model.encoder.bert.hidden_size": _POSITIVE,
-    "task.model.encoder.bert.num_layers": _POSITIVE,
-    "task.model.encoder.bert.num_attention_heads": _POSITIVE,
-    "task.model.encoder.bert.intermediate_size": _POSITIVE,
-    "task.model.encoder.bert.max_position_embeddings": _POSITIVE,
-    "task.model.encoder.bert.type_vocab_size": _POSITIVE,
-    "task.model.encoder.bert.dropout_rate": _PROBABILITY,
+    "task.model.encoder.type": validation.non_empty_string,
+    "task.model.encoder.bert.vocab_size": validation.POSITIVE_INTEGER,
+    "task.model.encoder.bert.hidden_size": validation.POSITIVE_INTEGER,
+    "task.model.encoder.bert.num_layers": validation.POSITIVE_INTEGER,
+    "task.model.encoder.bert.num_attention_heads": validation.POSITIVE_INTEGER,
+    "task.model.encoder.bert.intermediate_size": validation.POSITIVE_INTEGER,
+    "task.model.encoder.bert.max_position_embeddings": validation.POSITIVE_INTEGER,
+    "task.model.encoder.bert.type_vocab_size": validation.POSITIVE_INTEGER,
+    "task.model.encoder.bert.dropout_rate": validation.UNIT_INTERVAL,
     # ResNets
-    "task.model.resnet.model_id": _POSITIVE,
-    "task.model.input_size": validation.list_of(_POSITIVE, length=3),
+    "task.model.resnet.model_id": validation.POSITIVE_INTEGER,
+    "task.model.input_size": validation.list_of(validation.POSITIVE_INTEGER, length=3),
     "task.model.num_classes": validation.integer(2),
     # DLRM
-    "task.model.vocab_sizes": validation.list_of(_POSITIVE),
-    "task.model.embedding_dim": _POSITIVE,
-    "task.model.bottom_mlp": validation.list_of(_POSITIVE),
-    "task.model.top_mlp": validation.list_of(_POSITIVE),
-    "task.model.num_dense_features": _POSITIVE,
+    "task.model.vocab_sizes": validation.list_of(validation.POSITIVE_INTEGER),
+    "task.model.embedding_dim": validation.POSITIVE_INTEGER,
+    "task.model.bottom_mlp": validation.list_of(validation.POSITIVE_INTEGER),
+    "task.model.top_mlp": validation.list_of(validation.POSITIVE_INTEGER),
+    "task.model.num_dense_features": validation.POSITIVE_INTEGER,
 }
 for _split in ("train_data", "validation_data"):
     FIELDS.update(
         {
-            f"task.{_split}.global_batch_size": _POSITIVE,
+            f"task.{_split}.global_batch_size": validation.POSITIVE_INTEGER,
             f"task.{_split}.input_path": _path_or_paths,
             f"task.{_split}.drop_remainder": validation.check_bool,
-            f"task.{_split}.seq_length": _POSITIVE,
-            f"task.{_split}.max_predictions_per_seq": _POSITIVE,
-            f"task.{_split}.tfds_name": _string,
-            f"task.{_split}.tfds_split": _string,
+            f"task.{_split}.seq_length": validation.POSITIVE_INTEGER,
+            f"task.{_split}.max_predictions_per_seq": validation.POSITIVE_INTEGER,
+            f"task.{_split}.tfds_name": validation.non_empty_string,
+            f"task.{_split}.tfds_split": validation.non_empty_string,
         }
     )
 
