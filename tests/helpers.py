@@ -141,3 +141,70 @@ def compile_classifier(model, optimizer, **kwargs):
         **kwargs,
     )
     return model
+
+
+def model_garden_command(experiment, config_file, model_dir, overrides, cpu_replicas=2):
+    """`python -m tf_vrgd.model_garden.train --mode=train` (Model Garden's
+    trainer) on `config_file` with `overrides` ({dotted key: value}, Model
+    Garden's `--params_override`); `cpu_replicas=0` leaves the strategy to
+    the config."""
+    import sys
+
+    override = ",".join(f"{key}={value}" for key, value in overrides.items())
+    return [
+        sys.executable,
+        "-m",
+        "tf_vrgd.model_garden.train",
+        f"--experiment={experiment}",
+        f"--config_file={config_file}",
+        "--mode=train",
+        f"--model_dir={model_dir}",
+        f"--cpu_replicas={cpu_replicas}",
+        f"--params_override={override}",
+    ]
+
+
+def model_garden_env(**variables):
+    """This process' environment with the repository on the path, plus
+    `variables`."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        **variables,
+    }
+
+
+def model_garden_train(*args, **kwargs):
+    """Runs `model_garden_command(*args, **kwargs)`; returns what it printed
+    (the trainer prints each `train | step:` record and logs it again),
+    or fails the test with its output."""
+    import subprocess
+
+    done = subprocess.run(
+        model_garden_command(*args, **kwargs),
+        env=model_garden_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
+
+
+def model_garden_logs(output, key):
+    """The values Model Garden's trainer printed for `key` at each
+    `train | step:` line, in order."""
+    import re
+
+    return [
+        float(match) for match in re.findall(rf"'{re.escape(key)}': np\.float32\(([^)]+)\)", output)
+    ]
+
+
+def checkpoint_values(path):
+    """{name: array} of a TF checkpoint's every tensor."""
+    reader = tf.train.load_checkpoint(str(path))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}

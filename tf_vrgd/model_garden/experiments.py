@@ -75,12 +75,16 @@ class RegressionTask(base_task.Task):
         batch = params.global_batch_size
         if input_context:
             batch = input_context.get_per_replica_batch_size(batch)
-        dataset = tf.data.Dataset.from_tensor_slices((x, y))
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+        dataset = dataset.batch(batch, drop_remainder=True)
         if input_context and input_context.num_input_pipelines > 1:
+            # Pipeline i takes the i-th of each run of per-replica batches:
+            # the batches MirroredStrategy hands its replicas in turn, so
+            # that two workers see what two local replicas see.
             dataset = dataset.shard(
                 input_context.num_input_pipelines, input_context.input_pipeline_id
             )
-        return dataset.repeat().batch(batch, drop_remainder=True)
+        return dataset
 
     def build_losses(self, labels, model_outputs, aux_losses=None):
         loss = tf.reduce_mean(tf.square(tf.cast(model_outputs, tf.float32) - labels))

@@ -5,6 +5,9 @@ experiments registered:
         --config_file=configs/model_garden/regression_vr_lamb.yaml \
         --mode=train --model_dir=/tmp/run
 
+(or `--experiment=vrgd_resnet_imagenet` / `vrgd_bert_pretraining` with a
+file of `configs/paper/`, `tf_vrgd.model_garden.paper_experiments`).
+
 The flags are Model Garden's (`official.common.flags`); the run is
 `official.core.train_lib.run_experiment`, as in Model Garden's
 `official/vision/train.py`, without that driver's import of every vision
@@ -32,7 +35,7 @@ def main(_):
     from official.modeling import performance
 
     import tf_vrgd.model_garden  # noqa: F401  (registers the optimizers)
-    from tf_vrgd.model_garden import experiments  # noqa: F401
+    from tf_vrgd.model_garden import experiments, paper_experiments  # noqa: F401
 
     gin.parse_config_files_and_bindings(FLAGS.gin_file, FLAGS.gin_params)
     params = train_utils.parse_configuration(FLAGS)
