@@ -12,6 +12,16 @@ import tensorflow as tf
 from tf_vrgd import functional, validation
 
 
+def check_arguments(trust_coefficient, clip, epsilon, weight_decay):
+    """LARC's arguments checked (a clear error on each bad one), in order."""
+    return (
+        validation.check_number("trust_coefficient", trust_coefficient, low=0.0, low_open=True),
+        validation.check_bool("clip", clip),
+        validation.check_number("epsilon", epsilon, low=0.0),
+        validation.check_number("weight_decay", weight_decay, low=0.0),
+    )
+
+
 @keras.saving.register_keras_serializable(package="tf_vrgd")
 class LARC(keras.optimizers.Optimizer):
     """Layer-wise Adaptive Rate Control wrapped around any Keras optimizer.
@@ -79,12 +89,9 @@ class LARC(keras.optimizers.Optimizer):
             raise ValueError(
                 f"`optimizer` is already wrapped by another LARC. Received: optimizer={optimizer!r}"
             )
-        trust_coefficient = validation.check_number(
-            "trust_coefficient", trust_coefficient, low=0.0, low_open=True
+        trust_coefficient, clip, epsilon, weight_decay = check_arguments(
+            trust_coefficient, clip, epsilon, weight_decay
         )
-        clip = validation.check_bool("clip", clip)
-        epsilon = validation.check_number("epsilon", epsilon, low=0.0)
-        weight_decay = validation.check_number("weight_decay", weight_decay, low=0.0)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.trust_coefficient = trust_coefficient

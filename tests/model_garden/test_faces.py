@@ -240,3 +240,142 @@ def test_a_face_with_accumulation_updates_as_its_twin(strategy, name):
     for g, e in zip(got, variables):
         ref.assert_close(g, e.numpy(), f"{name} face vs twin, 4 replicas x 2 micro-steps")
     assert int(face.iterations.numpy()) == 3
+
+
+def _tf_keras_larc(inner="SGD"):
+    rule = {
+        "SGD": lambda: tf_keras.optimizers.legacy.SGD(0.5, momentum=0.9),
+        "Adam": lambda: tf_keras.optimizers.legacy.Adam(0.05),
+    }[inner]()
+    return optimizers.LARC(rule, trust_coefficient=0.05, weight_decay=0.01)
+
+
+def test_larc_around_a_tf_keras_optimizer_matches_the_numpy_reference(strategy):
+    """LARC around tf_keras' own SGD with momentum: the rule on the mean of
+    the 4 replicas' gradients, then momentum SGD, as numpy computes it."""
+    stream = helpers.gradient_stream(SHAPES, steps=4, replicas=4, scales=[1, 0.1, 2, 0.5])
+    with strategy.scope():
+        variables = [tf.Variable(w) for w in _initial()]
+        wrapped = _tf_keras_larc()
+    assert isinstance(wrapped, optimizers.TFKerasLARC)
+    _apply_face(strategy, wrapped, variables, stream)
+    means = [[np.mean([r[i] for r in step], axis=0) for i in range(len(SHAPES))] for step in stream]
+    expected = ref.run_larc_sgd(
+        _initial(), means, 0.5, momentum=0.9, trust_coefficient=0.05, weight_decay=0.01
+    )
+    for g, e in zip(variables, expected):
+        ref.assert_close(g.numpy(), e, "LARC(tf_keras SGD) vs numpy reference", rtol=1e-5)
+    assert int(wrapped.iterations.numpy()) == 4
+
+
+def test_larc_around_tf_keras_adam_updates_as_keras_3_larc_around_adam(strategy):
+    stream = helpers.gradient_stream(SHAPES, steps=4, replicas=4, scales=[1, 0.1, 2, 0.5])
+    with strategy.scope():
+        variables = [tf.Variable(w) for w in _initial()]
+        wrapped = _tf_keras_larc("Adam")
+    _apply_face(strategy, wrapped, variables, stream)
+    with strategy.scope():
+        twin_variables = [keras.Variable(w) for w in _initial()]
+        twin = tf_vrgd.LARC(keras.optimizers.Adam(0.05), trust_coefficient=0.05, weight_decay=0.01)
+    helpers.apply_stream_mirrored(strategy, twin, twin_variables, stream)
+    for g, e in zip(variables, twin_variables):
+        ref.assert_close(g.numpy(), e.numpy(), "LARC(tf_keras Adam) vs Keras 3 LARC(Adam)")
+
+
+def test_larc_around_a_tf_keras_optimizer_saves_and_restores(strategy, tmp_path):
+    """Its config rebuilds it; a checkpoint carries the inner optimizer's
+    slots and step, so two updates after a restore end where four do."""
+    stream = helpers.gradient_stream(SHAPES, steps=4, replicas=4)
+    with strategy.scope():
+        uninterrupted = [tf.Variable(w) for w in _initial()]
+        wrapped = _tf_keras_larc()
+    _apply_face(strategy, wrapped, uninterrupted, stream)
+    config = wrapped.get_config()
+    assert config["trust_coefficient"] == 0.05 and config["optimizer"]["class_name"] == "SGD"
+    with strategy.scope():
+        variables = [tf.Variable(w) for w in _initial()]
+        first = optimizers.TFKerasLARC.from_config(config)
+    assert first.get_config() == config
+    _apply_face(strategy, first, variables, stream[:2])
+    path = tf.train.Checkpoint(variables=variables, optimizer=first).save(str(tmp_path / "ck"))
+    with strategy.scope():
+        restored = [tf.Variable(np.zeros(s, np.float32)) for s in SHAPES]
+        second = optimizers.TFKerasLARC.from_config(config)
+    tf.train.Checkpoint(variables=restored, optimizer=second).restore(path)
+    _apply_face(strategy, second, restored, stream[2:])
+    assert int(second.iterations.numpy()) == 4
+    for g, e in zip(restored, uninterrupted):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_larc_around_a_tf_keras_optimizer_refuses_what_it_cannot_wrap():
+    inner = tf_keras.optimizers.legacy.SGD(0.1)
+    optimizers.LARC(inner)
+    with pytest.raises(ValueError, match="already wrapped"):
+        optimizers.LARC(inner)
+    with pytest.raises(ValueError, match="trust_coefficient"):
+        optimizers.LARC(tf_keras.optimizers.legacy.SGD(0.1), trust_coefficient=0.0)
+    with pytest.raises(ValueError, match="LossScaleOptimizer"):
+        optimizers.TFKerasLARC(
+            tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.legacy.SGD(0.1))
+        )
+
+
+def test_a_loss_scale_optimizer_around_larc_around_a_tf_keras_optimizer(strategy):
+    """Finite gradients: as LARC alone; an overflow on one replica: skipped."""
+    stream = helpers.gradient_stream(SHAPES, steps=3, replicas=4)
+    with strategy.scope():
+        expected = [tf.Variable(w) for w in _initial()]
+        alone = _tf_keras_larc()
+        variables = [tf.Variable(w) for w in _initial()]
+        wrapped = tf_keras.mixed_precision.LossScaleOptimizer(_tf_keras_larc())
+    _apply_face(strategy, alone, expected, stream)
+    _apply_face(strategy, wrapped, variables, stream)
+    for g, e in zip(variables, expected):
+        ref.assert_close(g.numpy(), e.numpy(), "LARC(SGD) in a LossScaleOptimizer")
+    overflow = helpers.gradient_stream(SHAPES, steps=1, replicas=4, seed=9)
+    overflow[0][2][0][1, 1] = np.inf
+    before = [v.numpy() for v in variables]
+    scale = float(wrapped.loss_scale.numpy())
+    _apply_face(strategy, wrapped, variables, overflow)
+    for b, v in zip(before, variables):
+        for copy in v.values:
+            np.testing.assert_array_equal(copy.numpy(), b)
+    assert float(wrapped.loss_scale.numpy()) == scale / 2
+
+
+def test_larc_around_tf_keras_sgd_clips_the_reduced_gradient_before_larc(strategy):
+    """tf_keras clips the cross-replica sum (Keras 3 clips each replica's
+    part before the sum): LARC then sees the clipped mean gradient."""
+    stream = helpers.gradient_stream(SHAPES, steps=3, replicas=4, scales=[1, 0.1, 2, 0.5])
+    with strategy.scope():
+        variables = [tf.Variable(w) for w in _initial()]
+        wrapped = optimizers.LARC(
+            tf_keras.optimizers.legacy.SGD(0.5, momentum=0.9, clipnorm=0.3), trust_coefficient=0.05
+        )
+    _apply_face(strategy, wrapped, variables, stream)
+    clipped = []
+    for step in stream:
+        means = [np.mean([r[i] for r in step], axis=0).astype(np.float64) for i in range(4)]
+        clipped.append([g * min(1.0, 0.3 / np.linalg.norm(g)) for g in means])
+    assert any(np.linalg.norm(g) > 0.3 for step in stream for g in step[0])
+    expected = ref.run_larc_sgd(_initial(), clipped, 0.5, momentum=0.9, trust_coefficient=0.05)
+    for g, e in zip(variables, expected):
+        ref.assert_close(g.numpy(), e, "LARC(tf_keras SGD, clipnorm) vs numpy", rtol=1e-5)
+
+
+def test_larc_around_a_tf_keras_optimizer_takes_a_row_sparse_gradient_as_dense():
+    rows = np.random.default_rng(3).standard_normal((5, 3)).astype(np.float32)
+    values = np.array([[1.0, 2.0, 0.5], [0.1, -1.0, 3.0], [2.0, 0.0, 1.0]], np.float32)
+    indices = np.array([4, 1, 4])
+    dense = np.zeros_like(rows)
+    np.add.at(dense, indices, values)
+    results = []
+    for gradient in (tf.IndexedSlices(values, indices, [5, 3]), tf.constant(dense)):
+        variable = tf.Variable(rows)
+        wrapped = optimizers.LARC(tf_keras.optimizers.legacy.SGD(0.5), trust_coefficient=0.05)
+        wrapped.apply_gradients([(gradient, variable)])
+        results.append(variable.numpy())
+    expected = ref.run_larc_sgd([rows], [[dense]], 0.5, trust_coefficient=0.05)[0]
+    for got in results:
+        ref.assert_close(got, expected, "LARC(tf_keras SGD) on a row-sparse gradient")

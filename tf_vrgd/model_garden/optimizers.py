@@ -31,17 +31,22 @@ inside `apply`, in the replica context where Model Garden calls it (under
   face: the face keeps each replica's gradients apart where the wrapper
   would reduce them, and makes an overflow on any replica visible to the
   wrapper's check of the first one, so that every replica skips the update.
+- `LARC` wraps a face, or any other tf_keras legacy optimizer
+  (`TFKerasLARC`, which applies `tf_vrgd.functional.larc_gradient` inside
+  that optimizer's own per-variable update).
 - Not taken: tf_keras' `gradient_aggregator` and `gradient_transformers`
   (the twin reduces the gradients itself; transformers would change them
   after the VR moments are taken), and tf_keras' `decay`.
 """
 
+import copy
 import inspect
 
 import tensorflow as tf
 import tf_keras
 
 import tf_vrgd
+from tf_vrgd import larc
 
 
 class KerasOptimizerFace(tf_keras.optimizers.legacy.Optimizer):
@@ -277,13 +282,23 @@ class LARC(KerasOptimizerFace):
 
     keras_class = tf_vrgd.LARC
 
+    def __new__(cls, optimizer=None, **kwargs):
+        # Any other tf_keras optimizer: LARC applied around it here.
+        if (
+            cls is LARC
+            and isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer)
+            and not isinstance(optimizer, KerasOptimizerFace | TFKerasLARC)
+        ):
+            return TFKerasLARC(optimizer, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, optimizer, **kwargs):
         refuse_tf_keras_arguments(type(self).__name__, kwargs)
         kwargs.pop("learning_rate", None)  # the inner optimizer's
         if not isinstance(optimizer, KerasOptimizerFace) or isinstance(optimizer, LARC):
             raise ValueError(
                 "`optimizer` must be a face of tf_vrgd.model_garden.optimizers other than "
-                "LARC (e.g. VRSGD(0.1)): LARC's face wraps its Keras 3 twin. "
+                "LARC (e.g. VRSGD(0.1)) or another tf_keras legacy optimizer. "
                 f"Received: optimizer={optimizer!r}"
             )
         self._inner = optimizer
@@ -307,6 +322,158 @@ class LARC(KerasOptimizerFace):
         inner = config.pop("optimizer")
         optimizer = FACES[inner["class_name"]].from_config(inner["config"], custom_objects)
         return cls(optimizer, **config)
+
+
+class TFKerasLARC(tf_keras.optimizers.legacy.Optimizer):
+    """LARC around a tf_keras legacy optimizer that has no Keras 3 twin
+    (`tf_keras.optimizers.legacy.SGD`, `Adam`, `RMSprop`, ...): what
+    `LARC(optimizer)` returns for one.
+
+    The rule is `tf_vrgd.functional.larc_gradient`, the one `tf_vrgd.LARC`
+    applies, and it is applied where `tf_vrgd.LARC` applies it: inside the
+    wrapped optimizer's per-variable, per-device update
+    (`_resource_apply_dense`), so on the cross-replica sum of the gradients
+    after the wrapped optimizer's own clipping, at its current learning
+    rate. The wrapped optimizer keeps its reduction, slots, `iterations`
+    and learning rate; it is tracked as ``inner_optimizer``. A row-sparse
+    gradient is made dense first (LARC needs its whole norm). tf_keras'
+    `LossScaleOptimizer` may wrap this one.
+
+    Args:
+        optimizer: A tf_keras legacy optimizer (not a face of this module,
+            a LARC or a LossScaleOptimizer).
+        trust_coefficient, clip, epsilon, weight_decay: `tf_vrgd.LARC`'s,
+            with its defaults.
+        name: Defaults to "LARC".
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        trust_coefficient=_default(tf_vrgd.LARC, "trust_coefficient"),
+        clip=_default(tf_vrgd.LARC, "clip"),
+        epsilon=_default(tf_vrgd.LARC, "epsilon"),
+        weight_decay=_default(tf_vrgd.LARC, "weight_decay"),
+        name=None,
+        **kwargs,
+    ):
+        refuse_tf_keras_arguments(type(self).__name__, kwargs)
+        kwargs.pop("learning_rate", None)  # the inner optimizer's
+        if kwargs:
+            raise TypeError(f"TFKerasLARC got unexpected arguments: {sorted(kwargs)}")
+        if not isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer) or isinstance(
+            optimizer,
+            KerasOptimizerFace | TFKerasLARC | tf_keras.mixed_precision.LossScaleOptimizer,
+        ):
+            raise ValueError(
+                "`optimizer` must be a tf_keras legacy optimizer other than a face, a LARC "
+                f"or a LossScaleOptimizer. Received: optimizer={optimizer!r}"
+            )
+        if getattr(optimizer, "_wrapped_by_larc", False):
+            raise ValueError(
+                f"`optimizer` is already wrapped by another LARC. Received: optimizer={optimizer!r}"
+            )
+        checked = larc.check_arguments(trust_coefficient, clip, epsilon, weight_decay)
+        super().__init__(name or "LARC")
+        self._optimizer = optimizer
+        self._track_trackable(optimizer, "inner_optimizer")
+        self.trust_coefficient, self.clip, self.epsilon, self.weight_decay = checked
+        self._install_update_hook()
+
+    def _install_update_hook(self):
+        # tf_keras applies each variable's reduced gradient on each device
+        # through `_resource_apply_dense` (row-sparse ones through
+        # `_resource_apply_sparse_duplicate_indices`): LARC rewrites the
+        # gradient there, as `tf_vrgd.LARC` does in Keras 3's `update_step`.
+        inner = self._optimizer
+        apply_dense = inner._resource_apply_dense
+
+        def larc_apply_dense(gradient, variable, **kwargs):
+            return apply_dense(self._larc_gradient(gradient, variable), variable, **kwargs)
+
+        def larc_apply_sparse(values, variable, indices, **kwargs):
+            dense = tf.math.unsorted_segment_sum(values, indices, tf.shape(variable)[0])
+            return larc_apply_dense(dense, variable, **kwargs)
+
+        inner._resource_apply_dense = larc_apply_dense
+        inner._resource_apply_sparse_duplicate_indices = larc_apply_sparse
+        inner._wrapped_by_larc = True
+
+    def _larc_gradient(self, gradient, variable):
+        new = tf_vrgd.functional.larc_gradient(
+            tf.cast(gradient, tf.float32),
+            tf.cast(variable, tf.float32),
+            tf.cast(self._optimizer._decayed_lr(tf.float32), tf.float32),
+            self.trust_coefficient,
+            self.epsilon,
+            self.weight_decay,
+            self.clip,
+        )
+        return tf.cast(new, variable.dtype)
+
+    @property
+    def inner_optimizer(self):
+        return self._optimizer
+
+    @property
+    def iterations(self):
+        return self._optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, variable):
+        self._optimizer.iterations = variable
+
+    @property
+    def learning_rate(self):
+        return self._optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self._optimizer.learning_rate = value
+
+    def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
+        return self._optimizer.apply_gradients(
+            grads_and_vars,
+            name=name,
+            experimental_aggregate_gradients=experimental_aggregate_gradients,
+        )
+
+    def variables(self):
+        return self._optimizer.variables()
+
+    @property
+    def weights(self):
+        return self._optimizer.weights
+
+    def get_config(self):
+        return {
+            "name": self._name,
+            "optimizer": tf_keras.optimizers.serialize(self._optimizer, use_legacy_format=True),
+            "trust_coefficient": self.trust_coefficient,
+            "clip": self.clip,
+            "epsilon": self.epsilon,
+            "weight_decay": self.weight_decay,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = copy.deepcopy(config)  # tf_keras' deserialize edits its argument
+        optimizer = tf_keras.optimizers.deserialize(
+            config.pop("optimizer"),
+            custom_objects=custom_objects,
+            use_legacy_optimizer=True,
+            use_legacy_format=True,
+        )
+        return cls(optimizer, **config)
+
+    def _create_slots(self, var_list):
+        pass
+
+    def _resource_apply_dense(self, grad, handle, apply_state):
+        raise NotImplementedError("LARC applies its gradients through its inner optimizer.")
+
+    def _resource_apply_sparse(self, grad, handle, indices, apply_state):
+        raise NotImplementedError("LARC applies its gradients through its inner optimizer.")
 
 
 #: Every face, by the class name it shares with its Keras 3 twin.
