@@ -27,7 +27,13 @@ use this path.
 import keras
 import tensorflow as tf
 
-from tf_vrgd._keras_adapters import apply_moving_average, decay, is_update_step, tf_variable
+from tf_vrgd._keras_adapters import (
+    apply_moving_average,
+    build_without_keras_accumulators,
+    decay,
+    is_update_step,
+    tf_variable,
+)
 
 
 class ReplicaAccumulationMixin:
@@ -38,14 +44,9 @@ class ReplicaAccumulationMixin:
     def build(self, var_list):
         if self.built:
             return
-        steps = self.gradient_accumulation_steps
-        # Keras' accumulators would be mirrored; ours replace them.
-        self.gradient_accumulation_steps = None
-        try:
-            super().build(var_list)
-        finally:
-            self.gradient_accumulation_steps = steps
+        build_without_keras_accumulators(self, super().build, var_list)
         self._replica_accumulators = []
+        steps = self.gradient_accumulation_steps
         if not steps:
             return
         for variable in var_list:

@@ -48,7 +48,11 @@ import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import functional, statistics, validation
-from tf_vrgd._keras_adapters import apply_moving_average, is_update_step
+from tf_vrgd._keras_adapters import (
+    apply_moving_average,
+    build_without_keras_accumulators,
+    is_update_step,
+)
 from tf_vrgd._keras_adapters import decay as _decay
 from tf_vrgd._keras_adapters import tf_variable as _tf_variable
 from tf_vrgd.statistics import variable_path, variable_size
@@ -180,15 +184,7 @@ class GSNRMixin:
     def build(self, var_list):
         if self.built:
             return
-        # Keras' own accumulators are mirrored (only one replica's partial
-        # sum would be saved); ours replace them, so Keras must not build
-        # its own.
-        accumulation_steps = self.gradient_accumulation_steps
-        self.gradient_accumulation_steps = None
-        try:
-            super().build(var_list)
-        finally:
-            self.gradient_accumulation_steps = accumulation_steps
+        build_without_keras_accumulators(self, super().build, var_list)
         float32_slots = functools.partial(self._float32_slots, var_list)
         self._gsnr_momentums = (
             float32_slots("gsnr_momentum") if self.beta_3 > 0 else [None] * len(var_list)

@@ -17,6 +17,20 @@ def is_update_step(optimizer):
     return tf.equal((optimizer._iterations + 1) % optimizer.gradient_accumulation_steps, 0)
 
 
+def build_without_keras_accumulators(optimizer, keras_build, var_list):
+    """Runs Keras' `build` (`keras_build`, the base class' bound method)
+    with `optimizer.gradient_accumulation_steps` hidden, so that Keras
+    makes no accumulators: its own are mirrored variables (only one
+    replica's partial sum would be kept and saved), and the package's
+    replace them."""
+    steps = optimizer.gradient_accumulation_steps
+    optimizer.gradient_accumulation_steps = None
+    try:
+        keras_build(var_list)
+    finally:
+        optimizer.gradient_accumulation_steps = steps
+
+
 def tf_variable(variable):
     """The `tf.Variable` behind a Keras variable (a plain one is itself)."""
     return variable.value if isinstance(variable, keras.Variable) else variable
