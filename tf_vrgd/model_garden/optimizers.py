@@ -324,6 +324,15 @@ class LARC(KerasOptimizerFace):
         return cls(optimizer, **config)
 
 
+def _inner_attribute(name):
+    """A property read from and written to the wrapped optimizer's `name`."""
+    return property(
+        lambda self: getattr(self._optimizer, name),
+        lambda self, value: setattr(self._optimizer, name, value),
+        doc=f"The wrapped optimizer's `{name}`.",
+    )
+
+
 class TFKerasLARC(tf_keras.optimizers.legacy.Optimizer):
     """LARC around a tf_keras legacy optimizer that has no Keras 3 twin
     (`tf_keras.optimizers.legacy.SGD`, `Adam`, `RMSprop`, ...): what
@@ -415,21 +424,8 @@ class TFKerasLARC(tf_keras.optimizers.legacy.Optimizer):
     def inner_optimizer(self):
         return self._optimizer
 
-    @property
-    def iterations(self):
-        return self._optimizer.iterations
-
-    @iterations.setter
-    def iterations(self, variable):
-        self._optimizer.iterations = variable
-
-    @property
-    def learning_rate(self):
-        return self._optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, value):
-        self._optimizer.learning_rate = value
+    iterations = _inner_attribute("iterations")
+    learning_rate = _inner_attribute("learning_rate")
 
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
         return self._optimizer.apply_gradients(
