@@ -356,8 +356,11 @@ def dlrm_configs(out):
                 "From the paper's text: one epoch, linear warm-up, polynomial decay, NVIDIA's",
                 "DLRM defaults otherwise: at batch 64k the peak holds until step 48,000,",
                 "then decays with power 2 over 24,000 steps (to 0 only after the epoch's",
-                "end); here the same fractions of the epoch: decay from update",
-                f"{decay_start} over {decay_steps} updates (never before the warm-up ends).",
+                "end); here the same fractions of the epoch: the peak held until update",
+                f"{decay_start}, then decay over {decay_steps} updates (never before the warm-up",
+                "ends). `delayed_polynomial` holds the peak; Model Garden's `polynomial`",
+                "with an `offset` would not (its polynomial of a negative step exceeds the",
+                "peak).",
                 "Left open, chosen here: plain SGD, no momentum (Algorithm 1); 8 GPUs",
                 "(the paper's k >= 8).",
                 *(["", *BETA_3_NOTE] if vr else []),
@@ -369,13 +372,13 @@ def dlrm_configs(out):
                     "optimizer_config": {
                         "optimizer": _optimizer("sgd", {"momentum": 0.0}, vr=vr),
                         "learning_rate": {
-                            "type": "polynomial",
-                            "polynomial": {
+                            "type": "delayed_polynomial",
+                            "delayed_polynomial": {
                                 "initial_learning_rate": round(lr, 6),
+                                "decay_start_steps": decay_start,
                                 "decay_steps": decay_steps,
                                 "end_learning_rate": 0.0,
                                 "power": 2.0,
-                                "offset": decay_start,
                             },
                         },
                         "warmup": _warmup(warmup),

@@ -166,8 +166,28 @@ def test_resnet_sgd_block_and_its_twin(twin):
             },
             lambda s: (1.0 - 1e-4) * (1 - min(s, 30) / 30) ** 2 + 1e-4,
         ),
+        (
+            {
+                "type": "delayed_polynomial",
+                "delayed_polynomial": {
+                    "initial_learning_rate": 1.0,
+                    "decay_start_steps": 12,
+                    "decay_steps": 20,
+                    "end_learning_rate": 0.1,
+                    "power": 2.0,
+                },
+            },
+            lambda s: 1.0 if s < 12 else (1.0 - 0.1) * (1 - min(s - 12, 20) / 20) ** 2 + 0.1,
+        ),
     ],
-    ids=["constant", "exponential-offset", "exponential-staircase", "cosine", "polynomial"],
+    ids=[
+        "constant",
+        "exponential-offset",
+        "exponential-staircase",
+        "cosine",
+        "polynomial",
+        "delayed_polynomial",
+    ],
 )
 def test_learning_rate_types_follow_model_garden(block, formula):
     warm = {"type": "linear", "linear": {"warmup_steps": 5, "warmup_learning_rate": 0.01}}
@@ -365,8 +385,8 @@ def test_paper_configs_carry_the_tables_values():
     assert k12["runtime"]["num_gpus"] * fields["gradient_accumulation_steps"] == 12
     # DLRM at 64k: NVIDIA's schedule, peak until 48,000, decay over 24,000.
     dlrm = config.load(os.path.join(ROOT, "configs/paper/dlrm_sgd_64k.yaml"))
-    decay = dlrm["trainer"]["optimizer_config"]["learning_rate"]["polynomial"]
-    assert (decay["offset"], decay["decay_steps"]) == (48000, 24000)
+    decay = dlrm["trainer"]["optimizer_config"]["learning_rate"]["delayed_polynomial"]
+    assert (decay["decay_start_steps"], decay["decay_steps"]) == (48000, 24000)
     imagenet = config.optimizer_from_config(
         os.path.join(ROOT, "configs/paper/imagenet_resnet50_vr_lars_16k.yaml")
     )
@@ -375,6 +395,35 @@ def test_paper_configs_carry_the_tables_values():
     cifar = config.load(os.path.join(ROOT, "configs/paper/cifar10_resnet56_vr_adam_8k.yaml"))
     lr = cifar["trainer"]["optimizer_config"]["learning_rate"]["cosine"]["initial_learning_rate"]
     assert lr == pytest.approx(192 / (2**-1 * 1e4))
+
+
+@pytest.mark.parametrize(
+    "path", sorted(glob.glob(os.path.join(ROOT, "configs/paper/dlrm_*.yaml"))), ids=os.path.basename
+)
+def test_the_dlrm_configs_hold_the_peak_until_the_decay_starts(path):
+    """NVIDIA's DLRM schedule (the paper's): linear warm-up to the peak,
+    the peak held until the decay starts, then (1 - t / decay_steps)^2 to
+    0; never above the peak. (Model Garden's `polynomial` with an `offset`
+    rose to 7.1 times the peak at the warm-up's end of the 64k file.)"""
+    cfg = config.load(path)
+    block = cfg["trainer"]["optimizer_config"]
+    fields = block["learning_rate"]["delayed_polynomial"]
+    peak, start, length = (
+        fields["initial_learning_rate"],
+        fields["decay_start_steps"],
+        fields["decay_steps"],
+    )
+    warmup = block["warmup"]["linear"]["warmup_steps"]
+    steps = np.unique(np.linspace(0, cfg["trainer"]["train_steps"], 101).astype(int))
+    steps = np.concatenate([steps, [warmup, start - 1, start, start + length // 2]])
+    expected = np.where(
+        steps < warmup,
+        peak * steps / warmup,
+        np.where(steps < start, peak, peak * (1 - np.minimum(steps - start, length) / length) ** 2),
+    )
+    values = _values(config.learning_rate_from_config(block), steps)
+    ref.assert_close(values, expected, "DLRM schedule", rtol=1e-5)
+    assert max(values) <= peak * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("kind", ["sgd", "vr_sgd"])
@@ -606,3 +655,16 @@ def test_a_yaml_alias_bomb_is_refused_quickly(form, tmp_path):
     with pytest.raises(ValueError, match="aliases"):
         config.load(str(path))
     assert time.perf_counter() - start < 5.0
+
+
+def test_a_rescaled_schedule_moves_the_decay_start_with_the_other_step_counts():
+    """`--train-steps` rescales every step count of a schedule: the DLRM
+    files' `decay_start_steps` too (else a shortened run would never reach
+    its decay)."""
+    from tf_vrgd.experiments import experiment_config
+
+    block = config.optimization_block(os.path.join(ROOT, "configs/paper/dlrm_sgd_64k.yaml"))
+    rescaled = experiment_config.rescale_schedule(block, 0.01, 1.0)
+    fields = rescaled["learning_rate"]["delayed_polynomial"]
+    assert (fields["decay_start_steps"], fields["decay_steps"]) == (480, 240)
+    assert rescaled["warmup"]["linear"]["warmup_steps"] == 80

@@ -63,7 +63,7 @@ def test_override_keys_the_config_lacks_but_the_task_reads_are_taken():
         ("task.model.vocab_sizes=[4, 0]", "task.model.vocab_sizes[1]` must be an integer in [1"),
         ("runtime.seed=-1", "runtime.seed` must be an integer in [0"),
         (
-            "trainer.optimizer_config.learning_rate.polynomial.initial_learning_rate=abc",
+            "trainer.optimizer_config.learning_rate.delayed_polynomial.initial_learning_rate=abc",
             "initial_learning_rate",
         ),
     ],

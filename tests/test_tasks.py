@@ -377,7 +377,7 @@ TASK_RUNS = {
         "dlrm_vr_sgd_64k.yaml",
         {
             **TINY_DLRM,
-            "trainer.optimizer_config.learning_rate.polynomial.initial_learning_rate": 0.5,
+            "trainer.optimizer_config.learning_rate.delayed_polynomial.initial_learning_rate": 0.5,
         },
         "criteo.tsv",
     ),

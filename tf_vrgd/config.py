@@ -276,7 +276,8 @@ class _ScheduleType:
     build: callable
 
 
-# Model Garden's LR_CLS: every type also takes `offset` (schedule(step - offset)).
+# Model Garden's LR_CLS: every type of Model Garden's also takes `offset`
+# (schedule(step - offset)).
 LEARNING_RATE_TYPES = {
     "constant": _ScheduleType(
         {"name": "Constant", "learning_rate": 0.1},
@@ -319,6 +320,26 @@ LEARNING_RATE_TYPES = {
             f["end_learning_rate"],
             f["power"],
             cycle=f["cycle"],
+        ),
+    ),
+    # The package's own type (Model Garden's factory gets it from
+    # tf_vrgd.model_garden): hold, then decay, as the paper's DLRM runs do.
+    "delayed_polynomial": _ScheduleType(
+        {
+            "name": "DelayedPolynomialDecay",
+            "initial_learning_rate": None,
+            "decay_start_steps": None,
+            "decay_steps": None,
+            "end_learning_rate": 0.0001,
+            "power": 1.0,
+        },
+        ("initial_learning_rate", "decay_start_steps", "decay_steps"),
+        lambda what, f: schedules.DelayedPolynomialDecay(
+            f["initial_learning_rate"],
+            f["decay_start_steps"],
+            f["decay_steps"],
+            f["end_learning_rate"],
+            f["power"],
         ),
     ),
     "cosine": _ScheduleType(
@@ -477,6 +498,7 @@ FIELD_CHECKS = {
     "decay_steps": validation.integer(1),
     "warmup_steps": validation.integer(0),
     "offset": validation.integer(0),
+    "decay_start_steps": validation.integer(0),
     "boundaries": validation.list_of(validation.integer(0)),
     "decay_rate": validation.POSITIVE_NUMBER,
     "power": validation.number(),

@@ -75,6 +75,55 @@ class Offset(LearningRateSchedule):
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
+class DelayedPolynomialDecay(LearningRateSchedule):
+    """`initial_learning_rate` until step `decay_start_steps`, then Keras'
+    `PolynomialDecay` counted from there:
+    ``decay(max(step - decay_start_steps, 0))`` (the package's
+    `delayed_polynomial` type). The DLRM schedule of NVIDIA's reference and
+    MLPerf (Model Garden's ranking `WarmUpAndPolyDecay` after its warm-up),
+    which the VRGD paper's DLRM runs use.
+
+    Model Garden's `polynomial` with an `offset` does not hold the rate:
+    before the offset its step is negative and the polynomial of a negative
+    step exceeds `initial_learning_rate` ((1 + 2)^2 = 9 times it at twice
+    `decay_steps` before the offset with power 2).
+    """
+
+    def __init__(
+        self,
+        initial_learning_rate,
+        decay_start_steps,
+        decay_steps,
+        end_learning_rate=0.0001,
+        power=1.0,
+        name="DelayedPolynomialDecay",
+    ):
+        self.initial_learning_rate = float(initial_learning_rate)
+        self.decay_start_steps = int(decay_start_steps)
+        self.decay_steps = int(decay_steps)
+        self.end_learning_rate = float(end_learning_rate)
+        self.power = float(power)
+        self.name = name
+        self._decay = keras.optimizers.schedules.PolynomialDecay(
+            self.initial_learning_rate, self.decay_steps, self.end_learning_rate, self.power
+        )
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        return self._decay(tf.maximum(step - float(self.decay_start_steps), 0.0))
+
+    def get_config(self):
+        return {
+            "initial_learning_rate": self.initial_learning_rate,
+            "decay_start_steps": self.decay_start_steps,
+            "decay_steps": self.decay_steps,
+            "end_learning_rate": self.end_learning_rate,
+            "power": self.power,
+            "name": self.name,
+        }
+
+
+@keras.saving.register_keras_serializable(package="tf_vrgd")
 class PerUpdate(LearningRateSchedule):
     """``schedule(step // accumulation_steps)``: a schedule whose steps count
     optimizer updates, under gradient accumulation.

@@ -93,3 +93,28 @@ def test_a_larc_block_builds_the_same_optimizer_in_model_garden(inner):
         got_inner.pop(key), expected_inner.pop(key)
     assert got_inner == expected_inner
     assert float(face.keras_optimizer.learning_rate) == pytest.approx(0.1)
+
+
+def test_delayed_polynomial_is_a_model_garden_schedule():
+    """The package's `delayed_polynomial` (the DLRM files' schedule) built
+    by Model Garden's factory under its own linear warm-up: NVIDIA's DLRM
+    schedule, against numpy."""
+    path = os.path.join(ROOT, "configs", "paper", "dlrm_sgd_64k.yaml")
+    block = config.optimization_block(path)
+    table = optimizer_factory.LR_CLS
+    assert (
+        table["delayed_polynomial"] is model_garden.registration.ModelGardenDelayedPolynomialDecay
+    )
+    schedule = optimizer_factory.OptimizerFactory(
+        model_garden.OptimizationConfig(block)
+    ).build_learning_rate()
+    steps = np.array([0, 1, 4001, 8002, 20000, 47999, 48000, 54000, 60000, 64014, 80000])
+    peak = 16.0
+    expected = np.where(
+        steps < 8002,
+        peak * steps / 8002,
+        peak * (1 - np.clip(steps - 48000, 0, 24000) / 24000) ** 2,
+    )
+    np.testing.assert_allclose([float(schedule(s)) for s in steps], expected, rtol=1e-5, atol=1e-9)
+    fields = schedule.get_config()["after_warmup_lr_sched"]
+    assert fields["decay_start_steps"] == 48000 and fields["power"] == 2.0

@@ -41,10 +41,10 @@ def lookup(cfg, path, default=None):
 
 def rescale_schedule(block, step_factor, lr_factor):
     """The optimization block with every step count (decay_steps,
-    warmup_steps, boundaries, offset) multiplied by `step_factor` and every
-    learning rate by `lr_factor`."""
+    warmup_steps, boundaries, offset, decay_start_steps) multiplied by
+    `step_factor` and every learning rate by `lr_factor`."""
     block = copy.deepcopy(block)
-    step_keys = ("decay_steps", "warmup_steps", "offset")
+    step_keys = ("decay_steps", "warmup_steps", "offset", "decay_start_steps")
     rate_keys = (
         "learning_rate",
         "initial_learning_rate",

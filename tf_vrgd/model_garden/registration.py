@@ -16,13 +16,20 @@ with their defaults, so that a config block means the same under
 Model Garden's own optimizers: the package's `lars` and `lamb` types
 implement Model Garden's rules with Model Garden's field names, so a
 config naming them trains the same rule under either trainer.
+
+The package's own learning-rate type, `delayed_polynomial` (the paper's
+DLRM schedule, `tf_vrgd.schedules.DelayedPolynomialDecay`), is registered
+in Model Garden's schedule table and in `LrConfig`, the learning-rate
+one-of of `OptimizationConfig`.
 """
 
 import dataclasses
 
 from official.modeling import optimization
+from official.modeling.hyperparams import base_config
 from official.modeling.optimization import optimizer_factory
 from official.modeling.optimization.configs import optimizer_config
+import tf_keras
 
 from tf_vrgd import config
 from tf_vrgd.model_garden.optimizers import KerasOptimizerFace, refuse_tf_keras_arguments
@@ -159,18 +166,76 @@ class ModelGardenLARC(KerasOptimizerFace):
 FACTORY_CLASSES["larc"] = ModelGardenLARC
 
 
+def _schedule_config_class(kind):
+    fields = [
+        (name, str if name == "name" else float | int | None, dataclasses.field(default=default))
+        for name, default in config.LEARNING_RATE_TYPES[kind].fields.items()
+    ]
+    camel = "".join(part.title() for part in kind.split("_"))
+    return dataclasses.make_dataclass(
+        f"{camel}LrConfig",
+        fields,
+        bases=(base_config.Config,),
+        namespace={
+            "__doc__": f"Fields of the `{kind}` learning-rate type "
+            f"(`tf_vrgd.config.LEARNING_RATE_TYPES['{kind}']`).",
+            "__module__": __name__,
+        },
+    )
+
+
+class ModelGardenDelayedPolynomialDecay(tf_keras.optimizers.schedules.LearningRateSchedule):
+    """The `delayed_polynomial` type in Model Garden's schedule table: a
+    tf_keras schedule computing with the package's Keras 3 one
+    (`tf_vrgd.schedules.DelayedPolynomialDecay`), built by `tf_vrgd.config`
+    from the same fields."""
+
+    def __init__(self, **fields):
+        super().__init__()
+        self._fields = fields
+        self._schedule = config.learning_rate_from_config(
+            {"learning_rate": {"type": "delayed_polynomial", "delayed_polynomial": fields}}
+        )
+
+    def __call__(self, step):
+        return self._schedule(step)
+
+    def get_config(self):
+        return dict(self._fields)
+
+
+#: The package's learning-rate types that Model Garden lacks.
+SCHEDULE_CLASSES = {"delayed_polynomial": ModelGardenDelayedPolynomialDecay}
+
+LrConfig = dataclasses.make_dataclass(
+    "LrConfig",
+    [
+        (kind, cls, dataclasses.field(default_factory=cls))
+        for kind, cls in ((k, _schedule_config_class(k)) for k in SCHEDULE_CLASSES)
+    ],
+    bases=(optimization.LrConfig,),
+    namespace={
+        "__doc__": "Model Garden's learning-rate one-of with the package's types added.",
+        "__module__": __name__,
+    },
+)
+
+
 @dataclasses.dataclass
 class OptimizationConfig(optimization.OptimizationConfig):
     """Model Garden's optimization config whose `optimizer` takes the VR
-    types too."""
+    types too, and whose `learning_rate` takes `delayed_polynomial`."""
 
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    learning_rate: LrConfig = dataclasses.field(default_factory=LrConfig)
 
 
 def register():
     """Registers every VR type and `larc` in Model Garden's factory (for tf_keras'
-    legacy optimizers, which Model Garden builds by default); a second call
+    legacy optimizers, which Model Garden builds by default), and the
+    package's learning-rate types in its schedule table; a second call
     does nothing."""
     for kind, cls in FACTORY_CLASSES.items():
         if optimizer_factory.LEGACY_OPTIMIZERS_CLS.get(kind) is not cls:
             optimizer_factory.register_optimizer_cls(kind, cls, use_legacy_optimizer=True)
+    optimizer_factory.LR_CLS.update(SCHEDULE_CLASSES)
