@@ -135,6 +135,20 @@ def write_criteo(path, count, seed=0):
     return labels, dense
 
 
+def write_preprocessed_criteo(path, count, vocab_size, seed=0):
+    """Model Garden's preprocessed Criteo TSV lines: label, 13 features
+    already log(1 + x), 26 integer ids below `vocab_size`. Returns the ids
+    (count x 26)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, count)
+    dense = np.log1p(rng.integers(0, 1000, (count, 13)))
+    ids = rng.integers(0, vocab_size, (count, 26))
+    with open(path, "w") as f:
+        for label, row, cats in zip(labels, dense, ids):
+            f.write("\t".join([str(label), *(f"{v:.6f}" for v in row), *map(str, cats)]) + "\n")
+    return ids
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER = os.path.join(ROOT, "configs", "paper")
 

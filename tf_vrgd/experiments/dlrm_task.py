@@ -13,6 +13,10 @@ CRITEO_VOCAB_SIZES = [
     2208, 11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
 ]  # fmt: skip
 NUM_DENSE = 13
+# NVIDIA's DLRM on Criteo Terabyte, the paper's model.
+EMBEDDING_DIM = 128
+BOTTOM_MLP = (512, 256, EMBEDDING_DIM)
+TOP_MLP = (1024, 1024, 512, 256, 1)
 
 
 class Dlrm(Task):
@@ -29,9 +33,11 @@ class Dlrm(Task):
         super().__init__(cfg)
         m = self.model_cfg
         self.vocab_sizes = [int(v) for v in m.get("vocab_sizes", CRITEO_VOCAB_SIZES)]
-        self.embedding_dim = int(m.get("embedding_dim", 128))
-        self.bottom_mlp = [int(u) for u in m.get("bottom_mlp", [512, 256, self.embedding_dim])]
-        self.top_mlp = [int(u) for u in m.get("top_mlp", [1024, 1024, 512, 256, 1])]
+        self.embedding_dim = int(m.get("embedding_dim", EMBEDDING_DIM))
+        self.bottom_mlp = [
+            int(u) for u in m.get("bottom_mlp", [*BOTTOM_MLP[:-1], self.embedding_dim])
+        ]
+        self.top_mlp = [int(u) for u in m.get("top_mlp", TOP_MLP)]
         self.num_dense = int(m.get("num_dense_features", NUM_DENSE))
         if self.bottom_mlp[-1] != self.embedding_dim:
             raise ValueError(

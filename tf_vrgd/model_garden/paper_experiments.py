@@ -26,9 +26,9 @@ experiments of the same tasks, so that a file means what it means under
   batch, as the paper's rules are written (Model Garden's default sums
   the replicas' means, which scales an SGD step with the replicas).
 
-CIFAR-10's ResNet-56 and DLRM are not Model Garden tasks with these
-configs' models (Model Garden's ResNet has no CIFAR depth; its DLRM task
-needs tf_keras as `tf.keras`): their files train with `vrgd-train`.
+CIFAR-10's ResNet-56 is not a Model Garden model (its ResNet has no CIFAR
+depth): those files train with `vrgd-train`. DLRM is in `dlrm_experiment`
+(TensorFlow Recommenders needs tf_keras as `tf.keras`).
 """
 
 import dataclasses

@@ -6,7 +6,9 @@ experiments registered:
         --mode=train --model_dir=/tmp/run
 
 (or `--experiment=vrgd_resnet_imagenet` / `vrgd_bert_pretraining` with a
-file of `configs/paper/`, `tf_vrgd.model_garden.paper_experiments`).
+file of `configs/paper/`, `tf_vrgd.model_garden.paper_experiments`; and
+`vrgd_dlrm_criteo`, `tf_vrgd.model_garden.dlrm_experiment`, where
+TensorFlow Recommenders is installed).
 
 The flags are Model Garden's (`official.common.flags`); the run is
 `official.core.train_lib.run_experiment`, as in Model Garden's
@@ -14,7 +16,15 @@ The flags are Model Garden's (`official.common.flags`); the run is
 task. One flag is added: `--cpu_replicas=N` splits the CPU into N logical
 devices and trains under `MirroredStrategy` over them (a machine without
 GPUs: a VR optimizer needs k >= 2 gradient samples).
+
+Model Garden is written for `tf.keras` being tf_keras (Keras 2): the
+driver sets TF_USE_LEGACY_KERAS=1 unless it is set already. The package's
+optimizers are tf_keras faces either way; TensorFlow Recommenders (the
+DLRM experiment) refuses to import without it.
 """
+
+import importlib.util
+import os
 
 from absl import app, flags
 
@@ -36,6 +46,9 @@ def main(_):
 
     import tf_vrgd.model_garden  # noqa: F401  (registers the optimizers)
     from tf_vrgd.model_garden import experiments, paper_experiments  # noqa: F401
+
+    if importlib.util.find_spec("tensorflow_recommenders") is not None:
+        from tf_vrgd.model_garden import dlrm_experiment  # noqa: F401
 
     gin.parse_config_files_and_bindings(FLAGS.gin_file, FLAGS.gin_params)
     params = train_utils.parse_configuration(FLAGS)
@@ -64,6 +77,7 @@ def main(_):
 
 
 def run():
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     from official.common import flags as tfm_flags
 
     tfm_flags.define_flags()
