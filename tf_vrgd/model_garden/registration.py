@@ -38,6 +38,18 @@ from tf_vrgd.model_garden.optimizers import KerasOptimizerFace, refuse_tf_keras_
 VR_TYPES = ("vr_sgd", "vr_adam", "vr_lamb", "vr_lars")
 
 
+def _dataclass(name, fields, base, doc):
+    """A config dataclass of this module: `fields` as (name, type, field)."""
+    namespace = {"__doc__": doc, "__module__": __name__}
+    return dataclasses.make_dataclass(name, fields, bases=(base,), namespace=namespace)
+
+
+def _one_of(name, base, classes, doc):
+    """Model Garden's one-of `base` with a field per `classes` item."""
+    fields = [(kind, cls, dataclasses.field(default_factory=cls)) for kind, cls in classes.items()]
+    return _dataclass(name, fields, base, doc)
+
+
 def _annotation(name, default):
     """The dataclass type of a field (Model Garden's configs check
     assignments against it)."""
@@ -66,15 +78,12 @@ def _config_class(kind):
         if name not in left_out
     ]
     camel = "".join(part.upper() if part == "vr" else part.title() for part in kind.split("_"))
-    return dataclasses.make_dataclass(
+    return _dataclass(
         f"{camel}Config",
         fields,
-        bases=(optimizer_config.BaseOptimizerConfig,),
-        namespace={
-            "__doc__": f"Fields of the `{kind}` optimizer type "
-            f"(`tf_vrgd.config.OPTIMIZER_TYPES['{kind}']`, Model Garden's names).",
-            "__module__": __name__,
-        },
+        optimizer_config.BaseOptimizerConfig,
+        f"Fields of the `{kind}` optimizer type "
+        f"(`tf_vrgd.config.OPTIMIZER_TYPES['{kind}']`, Model Garden's names).",
     )
 
 
@@ -111,14 +120,11 @@ CONFIG_CLASSES = {kind: _config_class(kind) for kind in VR_TYPES}
 FACTORY_CLASSES = {kind: _factory_class(kind) for kind in VR_TYPES}
 
 # What LARC wraps: Model Garden's one-of with the VR types (not LARC).
-InnerOptimizerConfig = dataclasses.make_dataclass(
+InnerOptimizerConfig = _one_of(
     "InnerOptimizerConfig",
-    [(kind, cls, dataclasses.field(default_factory=cls)) for kind, cls in CONFIG_CLASSES.items()],
-    bases=(optimization.OptimizerConfig,),
-    namespace={
-        "__doc__": "Model Garden's optimizer one-of with the VR types added.",
-        "__module__": __name__,
-    },
+    optimization.OptimizerConfig,
+    CONFIG_CLASSES,
+    "Model Garden's optimizer one-of with the VR types added.",
 )
 
 
@@ -172,15 +178,12 @@ def _schedule_config_class(kind):
         for name, default in config.LEARNING_RATE_TYPES[kind].fields.items()
     ]
     camel = "".join(part.title() for part in kind.split("_"))
-    return dataclasses.make_dataclass(
+    return _dataclass(
         f"{camel}LrConfig",
         fields,
-        bases=(base_config.Config,),
-        namespace={
-            "__doc__": f"Fields of the `{kind}` learning-rate type "
-            f"(`tf_vrgd.config.LEARNING_RATE_TYPES['{kind}']`).",
-            "__module__": __name__,
-        },
+        base_config.Config,
+        f"Fields of the `{kind}` learning-rate type "
+        f"(`tf_vrgd.config.LEARNING_RATE_TYPES['{kind}']`).",
     )
 
 
@@ -207,17 +210,11 @@ class ModelGardenDelayedPolynomialDecay(tf_keras.optimizers.schedules.LearningRa
 #: The package's learning-rate types that Model Garden lacks.
 SCHEDULE_CLASSES = {"delayed_polynomial": ModelGardenDelayedPolynomialDecay}
 
-LrConfig = dataclasses.make_dataclass(
+LrConfig = _one_of(
     "LrConfig",
-    [
-        (kind, cls, dataclasses.field(default_factory=cls))
-        for kind, cls in ((k, _schedule_config_class(k)) for k in SCHEDULE_CLASSES)
-    ],
-    bases=(optimization.LrConfig,),
-    namespace={
-        "__doc__": "Model Garden's learning-rate one-of with the package's types added.",
-        "__module__": __name__,
-    },
+    optimization.LrConfig,
+    {kind: _schedule_config_class(kind) for kind in SCHEDULE_CLASSES},
+    "Model Garden's learning-rate one-of with the package's types added.",
 )
 
 
