@@ -493,6 +493,42 @@ def gsnr_scale(
     return GSNRScale(applied, scale, momentum, row_updates, rows)
 
 
+def scale_between_gsnr_updates(
+    total: tf.Tensor,
+    samples: Scalar | None,
+    previous_scale: TensorLike | None,
+    previous_momentum: TensorLike | None,
+    beta_3: Scalar,
+    gsnr_updates: TensorLike,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """The rule at an update that does not measure the GSNR
+    (`gsnr_interval` > 1, docs/algorithms.md §7): ``(gbar, factor)``.
+
+    Args:
+        total: the reduced gradient sum: Keras-scaled replica gradients
+            (their sum is gbar) when `samples` is None, else the sum of the
+            accumulated samples.
+        samples: the count of accumulated samples, or None.
+        previous_scale: the scale of the last GSNR update (the factor when
+            there is no GSNR momentum).
+        previous_momentum: the GSNR momentum, or None; the factor is then
+            the momentum over its bias correction.
+        beta_3: the GSNR momentum's decay.
+        gsnr_updates: the GSNR updates the correction counts: a scalar (at
+            least 1: the first update measures), or per row of a table
+            broadcast against `total`, where 0 (a row never measured) gives
+            the factor 1, the base rule.
+    """
+    gradient_mean = total if samples is None else total / samples
+    if previous_momentum is None:
+        return gradient_mean, previous_scale
+    correction = gsnr_momentum_correction(beta_3, gsnr_updates)
+    applied = previous_momentum / correction
+    if correction.shape.rank:
+        applied = tf.where(gsnr_updates > 0.0, applied, 1.0)
+    return gradient_mean, applied
+
+
 def row_broadcast(per_row: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
     """`per_row` ([rows]) reshaped to broadcast against `like` ([rows, ...])."""
     return tf.reshape(per_row, [-1] + [1] * (like.shape.rank - 1))
