@@ -22,6 +22,17 @@ def check_arguments(trust_coefficient, clip, epsilon, weight_decay):
     )
 
 
+def rule_config(wrapper) -> dict:
+    """The rule's arguments of a LARC wrapper (this module's or another
+    Keras' face), for its `get_config`."""
+    return {
+        "trust_coefficient": wrapper.trust_coefficient,
+        "clip": wrapper.clip,
+        "epsilon": wrapper.epsilon,
+        "weight_decay": wrapper.weight_decay,
+    }
+
+
 @keras.saving.register_keras_serializable(package="tf_vrgd")
 class LARC(keras.optimizers.Optimizer):
     """Layer-wise Adaptive Rate Control wrapped around any Keras optimizer.
@@ -190,10 +201,7 @@ class LARC(keras.optimizers.Optimizer):
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "trust_coefficient": self.trust_coefficient,
-            "clip": self.clip,
-            "epsilon": self.epsilon,
-            "weight_decay": self.weight_decay,
+            **rule_config(self),
         }
 
     @classmethod

@@ -445,10 +445,7 @@ class TFKerasLARC(tf_keras.optimizers.legacy.Optimizer):
         return {
             "name": self._name,
             "optimizer": tf_keras.optimizers.serialize(self._optimizer, use_legacy_format=True),
-            "trust_coefficient": self.trust_coefficient,
-            "clip": self.clip,
-            "epsilon": self.epsilon,
-            "weight_decay": self.weight_decay,
+            **larc.rule_config(self),
         }
 
     @classmethod
