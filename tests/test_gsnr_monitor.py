@@ -51,10 +51,10 @@ def _assert_statistics_match(optimizer, shapes, samples, gamma, name, beta_3=0.0
             assert abs(got[key] - value) <= one_element + 1e-7, (path, key, got[key], value)
 
 
-@pytest.mark.parametrize("beta_3", [0.0, 0.5])
-@pytest.mark.parametrize("accumulation", [None, 2])
-def test_statistics_match_numpy_on_four_replicas(strategy, accumulation, beta_3):
-    gamma = 0.3
+def _vr_sgd_on_four_replicas(strategy, accumulation, **arguments):
+    """VR-SGD tracking its statistics after 3 updates of a gradient stream
+    on 4 replicas: (optimizer, the variables' shapes, the samples of each
+    update)."""
     steps = accumulation or 1
     shapes = helpers.model_shapes()
     stream = helpers.gradient_stream(shapes, 3 * steps, replicas=4, scales=[1.0, 0.1, 3.0, 0.01])
@@ -62,25 +62,59 @@ def test_statistics_match_numpy_on_four_replicas(strategy, accumulation, beta_3)
         strategy,
         lambda: tf_vrgd.VRSGD(
             0.01,
-            momentum=0.9,
-            gamma=gamma,
-            beta_3=beta_3,
             gradient_accumulation_steps=accumulation,
             track_gsnr_statistics=True,
+            **arguments,
         ),
         stream,
     )
-    samples = helpers.samples_per_update(stream, steps)
+    return optimizer, shapes, helpers.samples_per_update(stream, steps)
+
+
+@pytest.mark.parametrize("beta_3", [0.0, 0.5])
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_statistics_match_numpy_on_four_replicas(strategy, accumulation, beta_3):
+    gamma = 0.3
+    optimizer, shapes, samples = _vr_sgd_on_four_replicas(
+        strategy, accumulation, momentum=0.9, gamma=gamma, beta_3=beta_3
+    )
     _assert_statistics_match(optimizer, shapes, samples, gamma, "GSNR statistics", beta_3)
     # Some elements sit at each bound, so the fractions are not trivially 0 or 1.
     sums = optimizer.gsnr_statistic_sums()
-    assert sums.shape == (len(shapes), 5)
+    # 4 statistics, the 2 noise-scale terms, the update count.
+    assert sums.shape == (len(shapes), 7)
     assert 0 < sums[:, 1].sum() < sums[:, -1].sum() * len(shapes)
 
     optimizer.reset_gsnr_statistics()
     np.testing.assert_array_equal(optimizer.gsnr_statistic_sums(), 0.0)
     stats = optimizer.gsnr_statistics()
     assert all(np.isnan(s["mean_gsnr"]) and s["updates"] == 0 for s in stats.values())
+
+
+@pytest.mark.parametrize("path", ["packed", "fused"])
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_noise_terms_match_numpy_on_four_replicas(strategy, accumulation, path, monkeypatch):
+    """The noise scale's terms in each variable's row: per update, the
+    squared norm of the samples' mean and the mean of their squared norms
+    (`tf_vrgd.noise_scale`), averaged over the updates, on both dense
+    update paths (small variables packed into one vector, or each in the
+    XLA program)."""
+    from tf_vrgd import _gsnr_intake, statistics
+
+    if path == "fused":
+        monkeypatch.setattr(_gsnr_intake, "PACKED_MAX_ELEMENTS", -1)
+    optimizer, shapes, updates = _vr_sgd_on_four_replicas(strategy, accumulation)
+    big, small = statistics.noise_terms(optimizer.gsnr_statistic_sums())
+    for i in range(len(shapes)):
+        expected_big = np.mean([np.sum(update[i].mean(axis=0) ** 2) for update in updates])
+        expected_small = np.mean(
+            [
+                np.mean(np.sum(update[i] ** 2, axis=tuple(range(1, update[i].ndim))))
+                for update in updates
+            ]
+        )
+        ref.assert_close(big[i], expected_big, "noise term |G_big|^2", rtol=1e-5)
+        ref.assert_close(small[i], expected_small, "noise term |G_small|^2", rtol=1e-5)
 
 
 def test_statistics_are_not_optimizer_state(tmp_path):

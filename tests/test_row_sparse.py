@@ -247,3 +247,32 @@ def test_a_rank_one_table_matches_the_reference(strategy, name, accumulation):
     for update in updates:
         weights = expected.update(update)
     ref.assert_close(bias.numpy(), weights[0], f"{name} rank-1 table", rtol=1e-4)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_noise_terms_sum_over_the_touched_rows(strategy, accumulation):
+    """The gradient noise scale's terms of a table (`tf_vrgd.noise_scale`),
+    on the row path: per update, the squared norm of the samples' mean and
+    the mean of their squared norms over the rows a batch touched (the
+    others hold no sample and add nothing), against the dense samples."""
+    from tf_vrgd import statistics
+
+    stream = row_stream(3 * accumulation, 4, 6, seed=5)
+    _, _, optimizer = run(
+        strategy,
+        lambda: tf_vrgd.VRSGD(
+            0.5,
+            gradient_accumulation_steps=accumulation if accumulation > 1 else None,
+            track_gsnr_statistics=True,
+        ),
+        stream,
+    )
+    updates = dense_samples(stream, accumulation=accumulation)
+    big, small = statistics.noise_terms(optimizer.gsnr_statistic_sums())
+    for i in range(2):  # the table, then the kernel
+        expected_big = np.mean([np.sum(update[i].mean(axis=0) ** 2) for update in updates])
+        expected_small = np.mean(
+            [np.mean(np.sum(update[i] ** 2, axis=(1, 2))) for update in updates]
+        )
+        ref.assert_close(big[i], expected_big, "noise term |G_big|^2 (rows)", rtol=1e-5)
+        ref.assert_close(small[i], expected_small, "noise term |G_small|^2 (rows)", rtol=1e-5)

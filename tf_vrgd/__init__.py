@@ -5,7 +5,7 @@ LARS, LAMB (Model Garden form) and the LARC wrapper, and the VR family of
 (VR-SGD/Momentum, VR-Adam, VR-LARS, VR-LAMB).
 """
 
-from tf_vrgd import functional, schedules, statistics
+from tf_vrgd import functional, noise_scale, schedules, statistics
 from tf_vrgd._gsnr import find_vr_optimizer
 from tf_vrgd.adam import Adam
 from tf_vrgd.adamw import AdamWeightDecay
@@ -40,6 +40,7 @@ __all__ = [
     "find_vr_optimizer",
     "functional",
     "independent_replica_noise",
+    "noise_scale",
     "schedules",
     "statistics",
 ]

@@ -363,6 +363,34 @@ def gsnr_statistics(
     )
 
 
+def noise_sums(
+    gradient_mean: tf.Tensor, second_moment: tf.Tensor, measured: tf.Tensor | None = None
+) -> tf.Tensor:
+    """The terms of the gradient noise scale (`tf_vrgd.noise_scale`) for one
+    variable, in the order of `tf_vrgd.statistics.NOISE_NAMES`: float32
+    ``[sum(gbar^2), sum(s)]`` over the measured elements (all if
+    `measured` is None), the squared norm of the samples' mean (|G_big|^2)
+    and the mean of their squared norms (|G_small|^2)."""
+    columns = [tf.square(gradient_mean), second_moment]
+    if measured is not None:
+        columns = [_where_measured(measured, c) for c in columns]
+    return tf.stack([tf.reduce_sum(c) for c in columns])
+
+
+def segment_noise_sums(
+    gradient_mean: tf.Tensor,
+    second_moment: tf.Tensor,
+    segment_ids: tf.Tensor,
+    variables: int,
+    measured: tf.Tensor | None = None,
+) -> tf.Tensor:
+    """`noise_sums` of each variable of a packed vector: ``[variables, 2]``."""
+    columns = tf.stack([tf.square(gradient_mean), second_moment], axis=1)
+    if measured is not None:
+        columns = _where_measured(measured[:, None], columns)
+    return tf.math.unsorted_segment_sum(columns, segment_ids, variables)
+
+
 def _where_measured(measured: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
     """`values` where `measured`, 0 elsewhere (a select, not a product:
     an unmeasured element may hold NaN, and NaN * 0 is NaN)."""
@@ -418,8 +446,8 @@ class GSNRScale(NamedTuple):
     of gbar; ``scale``, the clipped ratio r (the `gsnr_scale` slot's new
     value); ``momentum``, the GSNR momentum's new value (None without one);
     ``row_updates``, each row's new count of measured updates (None unless
-    asked for); ``statistics``, the rows of `gsnr_statistics` (one row, or
-    one per segment; None unless asked for)."""
+    asked for); ``statistics``, the rows of `gsnr_statistics` followed by
+    `noise_sums` (one row, or one per segment; None unless asked for)."""
 
     applied: tf.Tensor
     scale: tf.Tensor
@@ -463,7 +491,8 @@ def gsnr_scale(
             own updates, and `correction` is not used.
         segments: ``(segment_ids, sizes)`` when the tensors are several
             variables packed flat (`segment_normalized_clipped_gsnr`).
-        statistics: also return the `gsnr_statistics` rows.
+        statistics: also return the statistics rows: `gsnr_statistics`
+            followed by `noise_sums` (per variable when packed).
     """
     gsnr = raw_gsnr(gradient_mean, second_moment, epsilon)
     measured = measured_elements(second_moment)
@@ -485,10 +514,23 @@ def gsnr_scale(
             previous_momentum, scale, beta_3, correction, measured
         )
     if statistics and segments is None:
-        rows = gsnr_statistics(gsnr, scale, applied, gamma, measured)
+        rows = tf.concat(
+            [
+                gsnr_statistics(gsnr, scale, applied, gamma, measured),
+                noise_sums(gradient_mean, second_moment, measured),
+            ],
+            0,
+        )
     elif statistics:
-        rows = segment_gsnr_statistics(
-            layer_means, scale, applied, segments[0], counts, gamma, measured
+        segment_ids, sizes = segments
+        rows = tf.concat(
+            [
+                segment_gsnr_statistics(
+                    layer_means, scale, applied, segment_ids, counts, gamma, measured
+                ),
+                segment_noise_sums(gradient_mean, second_moment, segment_ids, len(sizes), measured),
+            ],
+            1,
         )
     return GSNRScale(applied, scale, momentum, row_updates, rows)
 

@@ -1,12 +1,13 @@
 """`GSNRMonitor`: a Keras callback that puts the VR optimizers' GSNR
-statistics into the training logs (so into `History`, the progress bar and
-Keras' own `TensorBoard` callback)."""
+statistics and the gradient noise scale into the training logs (so into
+`History`, the progress bar and Keras' own `TensorBoard` callback)."""
 
 import warnings
 
 import keras
+import numpy as np
 
-from tf_vrgd import _gsnr, replica_noise, statistics
+from tf_vrgd import _gsnr, noise_scale, replica_noise, statistics, validation
 
 
 class GSNRMonitor(keras.callbacks.Callback):
@@ -25,7 +26,16 @@ class GSNRMonitor(keras.callbacks.Callback):
       multiplier): over all elements of all trainable variables (variables
       weighted by their size; `tf_vrgd.statistics` defines them);
     - with `per_variable`, ``gsnr_mean/<variable path>`` and so on for each
-      variable.
+      variable;
+    - given `batch_size`, ``noise_scale``: the gradient noise scale B_simple
+      of the whole model, in examples (`tf_vrgd.noise_scale`), and with
+      `per_variable` ``noise_scale/<variable path>``. Each read adds the
+      span's estimates of tr(Sigma) and |G|^2 (averaged over its GSNR
+      updates) to bias-corrected moving averages (`noise_scale_decay`),
+      whose ratio is logged; NaN while the |G|^2 average is not positive.
+      The samples of an update are the replicas times the optimizer's
+      `gradient_accumulation_steps`; B_small, the examples of one, is
+      `batch_size` over the replicas.
 
     List it before `keras.callbacks.TensorBoard` (callbacks see `logs` in list
     order); TensorBoard then writes ``epoch_gsnr_mean`` and the rest.
@@ -40,10 +50,26 @@ class GSNRMonitor(keras.callbacks.Callback):
         update_freq: `"epoch"`, or log into batch logs every this many
             batches too (one device read each time).
         per_variable: also log each variable's statistics.
+        batch_size: the global batch of one `fit` step, in examples (what
+            `fit` is given), for the noise scale; None logs none.
+        noise_scale_decay: in [0, 1), the decay of the noise scale's moving
+            averages, per read (0: each read's span alone).
     """
 
-    def __init__(self, update_freq: str | int = "epoch", per_variable: bool = True) -> None:
+    def __init__(
+        self,
+        update_freq: str | int = "epoch",
+        per_variable: bool = True,
+        batch_size: int | None = None,
+        noise_scale_decay: float = 0.0,
+    ) -> None:
         super().__init__()
+        if batch_size is not None:
+            batch_size = validation.check_integer("batch_size", batch_size, low=1)
+        self.batch_size = batch_size
+        self.noise_scale_decay = validation.check_number(
+            "noise_scale_decay", noise_scale_decay, low=0.0, high=1.0, high_open=True
+        )
         if update_freq != "epoch" and not (
             isinstance(update_freq, int) and not isinstance(update_freq, bool) and update_freq > 0
         ):
@@ -76,6 +102,15 @@ class GSNRMonitor(keras.callbacks.Callback):
             )
 
         replicas = self.model.distribute_strategy.num_replicas_in_sync
+        steps = self._optimizer.gradient_accumulation_steps or 1
+        # An update's examples and its gradient samples.
+        self._update_examples = None if self.batch_size is None else self.batch_size * steps
+        self._samples = replicas * steps
+        self._noise_scales = (
+            noise_scale.MovingNoiseScale(self.noise_scale_decay),  # model-wide
+            noise_scale.MovingNoiseScale(self.noise_scale_decay),  # per variable
+        )
+        self._read_sums = None
         shared = replica_noise.shared_streams(self.model)
         if replicas > 1 and shared:
             warnings.warn(
@@ -88,6 +123,7 @@ class GSNRMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._optimizer.reset_gsnr_statistics()
         self._last_sums = None
+        self._read_sums = None
 
     def on_train_batch_end(self, batch, logs=None):
         if self.update_freq == "epoch" or (batch + 1) % self.update_freq:
@@ -102,6 +138,7 @@ class GSNRMonitor(keras.callbacks.Callback):
         sums = self._optimizer.gsnr_statistic_sums()
         if sums is None or logs is None:
             return
+        measured = self._update_noise_scale(sums)
         span = sums
         if not since_epoch_start:
             if self._last_sums is not None:
@@ -110,6 +147,41 @@ class GSNRMonitor(keras.callbacks.Callback):
             if not (span[:, -1] > 0).any():  # the update counts: no GSNR update
                 return
         logs.update(self.statistics_logs(span))
+        if self._update_examples is not None:
+            measured = measured or (since_epoch_start and (span[:, -1] > 0).any())
+            logs.update(self._noise_scale_logs(measured))
+
+    def _update_noise_scale(self, sums):
+        """Adds the GSNR updates since the previous read to the noise
+        scale's moving averages; whether there were any."""
+        if self._update_examples is None:
+            return False
+        span = sums if self._read_sums is None else sums - self._read_sums
+        self._read_sums = sums
+        if not (span[:, -1] > 0).all():
+            return False
+        trace, squared_norm = noise_scale.estimates(
+            *statistics.noise_terms(span), self._update_examples, self._samples
+        )
+        model_wide, per_variable = self._noise_scales
+        model_wide.update(trace.sum(), squared_norm.sum())
+        per_variable.update(trace, squared_norm)
+        return True
+
+    def _noise_scale_logs(self, measured):
+        """``noise_scale`` (and per variable): the moving estimates, NaN
+        where nothing was measured since the epoch began."""
+        model_wide, per_variable = self._noise_scales
+        if not measured:
+            values = np.full(len(self._optimizer.trainable_variables_in_order()), np.nan)
+            entries = {"noise_scale": float("nan")}
+        else:
+            values = np.broadcast_to(per_variable.value, [len(per_variable.trace)])
+            entries = {"noise_scale": float(model_wide.value)}
+        if self.per_variable:
+            for variable, value in zip(self._optimizer.trainable_variables_in_order(), values):
+                entries[f"noise_scale/{statistics.variable_path(variable)}"] = float(value)
+        return entries
 
     def statistics_logs(self, sums):
         """Log entries from ``[variables, statistics.ROW_WIDTH]`` running
@@ -123,4 +195,9 @@ class GSNRMonitor(keras.callbacks.Callback):
         )
 
     def get_config(self):
-        return {"update_freq": self.update_freq, "per_variable": self.per_variable}
+        return {
+            "update_freq": self.update_freq,
+            "per_variable": self.per_variable,
+            "batch_size": self.batch_size,
+            "noise_scale_decay": self.noise_scale_decay,
+        }

@@ -4,10 +4,12 @@ Python and in Keras logs, and how they are averaged.
 A VR optimizer constructed with ``track_gsnr_statistics=True`` keeps, per
 trainable variable, one float32 row of running sums, updated on the device
 at every update: one column per entry of `COLUMNS` (each the per-update
-value, summed), then the number of updates. `summarize` turns a row into
-averages, `model_wide` averages rows over all elements of all variables, and
-`log_entries` names them for Keras logs (`tf_vrgd.GSNRMonitor`,
-`vrgd-train`).
+value, summed), one per entry of `NOISE_COLUMNS` (the gradient noise
+scale's terms, summed likewise), then the number of updates. `summarize`
+turns a row into averages, `model_wide` averages rows over all elements of
+all variables, `log_entries` names them for Keras logs
+(`tf_vrgd.GSNRMonitor`, `vrgd-train`), and `noise_terms` gives the noise
+scale's terms per update.
 """
 
 from collections.abc import Sequence
@@ -34,8 +36,15 @@ COLUMNS = {
 }
 NAMES = tuple(COLUMNS)
 LOG_KEYS = {name: key for name, (_, key) in COLUMNS.items()}
+# After them, the terms of the gradient noise scale (`tf_vrgd.noise_scale`):
+# sums over the variable's measured elements, not averages over them.
+NOISE_COLUMNS = {
+    "squared_norm_of_mean": "|G_big|^2: sum of gbar^2, the squared norm of the samples' mean",
+    "mean_squared_norm": "|G_small|^2: sum of s, the mean of the samples' squared norms",
+}
+NOISE_NAMES = tuple(NOISE_COLUMNS)
 # Sums, then the update count.
-ROW_WIDTH = len(NAMES) + 1
+ROW_WIDTH = len(NAMES) + len(NOISE_NAMES) + 1
 
 
 def summarize(row: Sequence[float]) -> dict[str, float]:
@@ -43,7 +52,7 @@ def summarize(row: Sequence[float]) -> dict[str, float]:
     the averages are NaN when no update has run."""
     row = np.asarray(row, np.float64)
     updates = float(row[-1])
-    averages = row[:-1] / updates if updates > 0 else np.full(len(NAMES), np.nan)
+    averages = row[: len(NAMES)] / updates if updates > 0 else np.full(len(NAMES), np.nan)
     return {**{name: float(a) for name, a in zip(NAMES, averages)}, "updates": int(updates)}
 
 
@@ -62,7 +71,7 @@ def model_wide(sums: np.ndarray, sizes: Sequence[int]) -> dict[str, float]:
     sizes = np.asarray(sizes, np.float64)
     nonempty = sizes > 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        averages = sums[nonempty, :-1] / sums[nonempty, -1:]
+        averages = sums[nonempty, : len(NAMES)] / sums[nonempty, -1:]
         overall = (averages * sizes[nonempty, None]).sum(axis=0) / sizes.sum()
     return {name: float(value) for name, value in zip(NAMES, overall)}
 
@@ -80,6 +89,17 @@ def log_entries(
             for name in NAMES:
                 entries[f"{LOG_KEYS[name]}/{path}"] = summary[name]
     return entries
+
+
+def noise_terms(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(|G_big|^2, |G_small|^2)`` per variable, averaged over the updates
+    of ``[variables, ROW_WIDTH]`` running sums (NaN for a variable without
+    one): the inputs of `tf_vrgd.noise_scale.estimates`."""
+    sums = np.asarray(sums, np.float64)
+    start = len(NAMES)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = sums[:, start : start + len(NOISE_NAMES)] / sums[:, -1:]
+    return means[:, 0], means[:, 1]
 
 
 def variable_path(variable) -> str:
