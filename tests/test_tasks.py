@@ -413,6 +413,12 @@ def test_task_trains_from_files_with_its_twin_and_resumes(kind, tmp_path):
     vr = next(name for name in runs if name.startswith("vr_"))
     base = vr.removeprefix("vr_")
     assert set(runs) == {vr, base}
+    # The VR run's gradient noise scale at its first and last interval,
+    # the last interval's record; none for the base optimizer.
+    np.testing.assert_equal(
+        runs[vr]["noise_scale_end"], _records(output / vr)[-1]["train_noise_scale"]
+    )
+    assert np.isnan(runs[base]["noise_scale_end"])
     for name in (vr, base):
         records = _records(output / name)
         assert [r["updates"] for r in records] == [3, 6]

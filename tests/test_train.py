@@ -206,8 +206,19 @@ def test_kill_9_mid_run_resumes_to_the_uninterrupted_weights(fashion, tmp_path):
 
     table = resumed.stdout[resumed.stdout.index("test_acc") :]
     assert "vr_lamb" in table and "\n   lamb" in table
-    for name in ("accuracy.png", "loss.png", "gsnr_vr_lamb.png", "summary.json", "summary.txt"):
+    files = ("accuracy.png", "loss.png", "gsnr_vr_lamb.png", "noise_scale.png", "summary.json")
+    for name in (*files, "summary.txt"):
         assert (interrupted / name).exists(), name
+    # The gradient noise scale of the VR run at its first and last epoch
+    # (a positive number, or NaN while |G|^2 is not resolved), none for LAMB.
+    rows = {
+        row["run"]: row for row in json.loads((interrupted / "summary.json").read_text())["runs"]
+    }
+    vr_start, vr_end = rows["vr_lamb"]["noise_scale_start"], rows["vr_lamb"]["noise_scale_end"]
+    assert all(np.isnan(v) or v > 0 for v in (vr_start, vr_end)), (vr_start, vr_end)
+    np.testing.assert_equal(vr_end, records[-1]["noise_scale"])
+    assert np.isnan(rows["lamb"]["noise_scale_start"])
+    assert "noise_scale_start" in resumed.stdout
 
 
 def test_overrides_rescale_the_schedule_and_the_rate():

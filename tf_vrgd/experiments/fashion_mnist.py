@@ -163,7 +163,9 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
                 "learning_rate": float(model.optimizer.learning_rate.numpy()),
                 "seconds": seconds,
             }
-            record.update({k: float(v) for k, v in logs.items() if k.startswith("gsnr")})
+            record.update(
+                {k: float(v) for k, v in logs.items() if k.startswith(("gsnr", "noise_scale"))}
+            )
             record.update(gsnr_entries(model, vr_optimizer))
             records.append(record)
             write_records(run_dir, records)
@@ -247,8 +249,9 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
         # Read at build, which comes with the first update (a resumed model's
         # saved config has it already).
         vr_optimizer.track_gsnr_statistics = True
-        # Model-wide figures in the progress bar; per layer in the records.
-        callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False))
+        # Model-wide figures (and the gradient noise scale) in the progress
+        # bar; per layer in the records.
+        callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.batch_size))
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
     model.fit(
         train_ds,

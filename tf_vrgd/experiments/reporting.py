@@ -15,6 +15,9 @@ def summarize(runs, experiment):
             {
                 "run": name,
                 "batch": experiment.batch_size,
+                # The gradient noise scale (VR runs), after the first and last epochs.
+                "noise_scale_start": records[0].get("noise_scale", float("nan")),
+                "noise_scale_end": last.get("noise_scale", float("nan")),
                 "replicas": experiment.replicas,
                 "epochs": len(records),
                 "train_acc": last["train_accuracy"],
@@ -33,6 +36,8 @@ def format_table(rows):
     columns = [
         ("run", "{}"),
         ("batch", "{}"),
+        ("noise_scale_start", "{:.4g}"),
+        ("noise_scale_end", "{:.4g}"),
         ("replicas", "{}"),
         ("epochs", "{}"),
         ("train_acc", "{:.4f}"),
@@ -52,8 +57,10 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def plot(runs, output):
-    """accuracy.png, loss.png (all runs) and gsnr_<run>.png (per layer)."""
+def plot(runs, output, batch=None):
+    """accuracy.png, loss.png (all runs), gsnr_<run>.png (per layer) and,
+    where runs logged it, noise_scale.png (per epoch, with the `batch` as a
+    horizontal line)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,6 +101,22 @@ def plot(runs, output):
         axes[2].legend(fontsize=7)
         fig.suptitle(f"GSNR per layer: {name}")
         paths.append(save_figure(fig, os.path.join(output, f"gsnr_{name}.png")))
+    noisy = {
+        name: records for name, records in runs.items() if records and "noise_scale" in records[0]
+    }
+    if noisy:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, records in noisy.items():
+            ax.plot(
+                [r["epoch"] + 1 for r in records], [r["noise_scale"] for r in records], label=name
+            )
+        if batch is not None:
+            ax.axhline(batch, color="gray", linestyle="--", label=f"batch {batch}")
+        ax.set_yscale("log")
+        ax.set_ylabel("gradient noise scale B_simple (examples)")
+        ax.legend()
+        label_axes([ax], "epoch")
+        paths.append(save_figure(fig, os.path.join(output, "noise_scale.png")))
     return paths
 
 

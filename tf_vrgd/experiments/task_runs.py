@@ -336,7 +336,10 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     records = run_folder.read_records(os.path.join(run_dir, "metrics.jsonl"), done)
     if done:
         print(f"[{name}] resuming after interval {done} from {checkpoints[done]}", flush=True)
-    monitor = [] if vr_optimizer is None else [tf_vrgd.GSNRMonitor(per_variable=False)]
+    monitor = []
+    if vr_optimizer is not None:
+        # A Keras step's examples: the monitor counts the accumulation.
+        monitor = [tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.step_batch)]
     if done < experiment.intervals:
         # One fit, an epoch per interval: one iterator reads the training
         # stream on from interval to interval (a resumed run starts it
@@ -415,6 +418,10 @@ def summarize(runs, experiment):
         row = {
             "run": name,
             "updates": last["updates"],
+            "batch": experiment.global_batch,
+            # The gradient noise scale (VR runs), at the first and last interval.
+            "noise_scale_start": records[0].get("train_noise_scale", float("nan")),
+            "noise_scale_end": last.get("train_noise_scale", float("nan")),
             "replicas": experiment.replicas,
             "train_loss": last.get("train_loss", float("nan")),
             "examples_per_second": examples / seconds,

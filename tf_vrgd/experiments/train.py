@@ -240,7 +240,7 @@ def main(argv=None):
     table = write_summary(
         args, experiment, reporting.summarize(runs, experiment), reporting.format_table
     )
-    plots = reporting.plot(runs, args.output)
+    plots = reporting.plot(runs, args.output, batch=experiment.batch_size)
     print(f"\nplots: {', '.join(plots)}")
     print(f"\n{table}", flush=True)
     return 0
