@@ -27,18 +27,31 @@ switches a published block to its VR twin.
 Unknown types and fields raise `ValueError` naming them and listing what is
 accepted; a field this package cannot honour raises too. YAML is read with
 a `yaml.SafeLoader` (no arbitrary objects).
+
+The optimizer types are here; the field checks (`FIELD_CHECKS`), the
+learning-rate and warm-up types (`LEARNING_RATE_TYPES`, `WARMUP_TYPES`,
+`learning_rate_from_config`) and the reading of files (`load`,
+`optimization_block`) live in `_config_fields`, `_config_schedules` and
+`_config_files`, and are this module's names too.
 """
 
 from collections.abc import Callable
 import dataclasses
 import inspect
 import os
-import re
 
 import keras
-import yaml
 
-from tf_vrgd import schedules, validation
+from tf_vrgd import schedules
+from tf_vrgd._config_fields import FIELD_CHECKS as FIELD_CHECKS
+from tf_vrgd._config_fields import checked_fields as _fields
+from tf_vrgd._config_fields import one_of as _one_of
+from tf_vrgd._config_files import MAX_CONFIG_VALUES as MAX_CONFIG_VALUES
+from tf_vrgd._config_files import load as load
+from tf_vrgd._config_files import optimization_block as optimization_block
+from tf_vrgd._config_schedules import LEARNING_RATE_TYPES as LEARNING_RATE_TYPES
+from tf_vrgd._config_schedules import WARMUP_TYPES as WARMUP_TYPES
+from tf_vrgd._config_schedules import learning_rate_from_config as learning_rate_from_config
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd.adam import Adam
 from tf_vrgd.adamw import AdamWeightDecay
@@ -245,132 +258,6 @@ OPTIMIZER_TYPES = {
 LARC_FIELDS = {**_constructor_fields(LARC, exclude=("optimizer",)), "optimizer": None}
 
 
-_S = keras.optimizers.schedules
-
-
-def _build_stepwise(what, f):
-    if len(f["values"]) != len(f["boundaries"]) + 1 or any(
-        b >= c for b, c in zip(f["boundaries"], f["boundaries"][1:])
-    ):
-        raise ValueError(
-            f"{what} needs increasing `boundaries` and one more value than "
-            f"boundaries. Received: boundaries={f['boundaries']}, values={f['values']}"
-        )
-    return _S.PiecewiseConstantDecay(list(f["boundaries"]), list(f["values"]))
-
-
-def _build_linear_warmup(what, schedule, w):
-    if w["warmup_steps"] <= 0:
-        raise ValueError(f"{what}.warmup_steps must be > 0. Received: {w['warmup_steps']}")
-    return schedules.LinearWarmup(schedule, w["warmup_steps"], w["warmup_learning_rate"])
-
-
-@dataclasses.dataclass(frozen=True)
-class _ScheduleType:
-    """One learning-rate or warm-up type: its fields with Model Garden's
-    defaults, the ones it requires, and a builder taking (where, fields) for
-    a learning rate or (where, schedule, fields) for a warm-up."""
-
-    fields: dict
-    required: tuple
-    build: callable
-
-
-# Model Garden's LR_CLS: every type of Model Garden's also takes `offset`
-# (schedule(step - offset)).
-LEARNING_RATE_TYPES = {
-    "constant": _ScheduleType(
-        {"name": "Constant", "learning_rate": 0.1},
-        (),
-        lambda what, f: schedules.Constant(f["learning_rate"]),
-    ),
-    "stepwise": _ScheduleType(
-        {"name": "PiecewiseConstantDecay", "boundaries": None, "values": None, "offset": 0},
-        ("boundaries", "values"),
-        _build_stepwise,
-    ),
-    "exponential": _ScheduleType(
-        {
-            "name": "ExponentialDecay",
-            "initial_learning_rate": None,
-            "decay_steps": None,
-            "decay_rate": None,
-            "staircase": False,
-            "offset": 0,
-        },
-        ("initial_learning_rate", "decay_steps", "decay_rate"),
-        lambda what, f: _S.ExponentialDecay(
-            f["initial_learning_rate"], f["decay_steps"], f["decay_rate"], staircase=f["staircase"]
-        ),
-    ),
-    "polynomial": _ScheduleType(
-        {
-            "name": "PolynomialDecay",
-            "initial_learning_rate": None,
-            "decay_steps": None,
-            "end_learning_rate": 0.0001,
-            "power": 1.0,
-            "cycle": False,
-            "offset": 0,
-        },
-        ("initial_learning_rate", "decay_steps"),
-        lambda what, f: _S.PolynomialDecay(
-            f["initial_learning_rate"],
-            f["decay_steps"],
-            f["end_learning_rate"],
-            f["power"],
-            cycle=f["cycle"],
-        ),
-    ),
-    # The package's own type (Model Garden's factory gets it from
-    # tf_vrgd.model_garden): hold, then decay, as the paper's DLRM runs do.
-    "delayed_polynomial": _ScheduleType(
-        {
-            "name": "DelayedPolynomialDecay",
-            "initial_learning_rate": None,
-            "decay_start_steps": None,
-            "decay_steps": None,
-            "end_learning_rate": 0.0001,
-            "power": 1.0,
-        },
-        ("initial_learning_rate", "decay_start_steps", "decay_steps"),
-        lambda what, f: schedules.DelayedPolynomialDecay(
-            f["initial_learning_rate"],
-            f["decay_start_steps"],
-            f["decay_steps"],
-            f["end_learning_rate"],
-            f["power"],
-        ),
-    ),
-    "cosine": _ScheduleType(
-        {
-            "name": "CosineDecay",
-            "initial_learning_rate": None,
-            "decay_steps": None,
-            "alpha": 0.0,
-            "offset": 0,
-        },
-        ("initial_learning_rate", "decay_steps"),
-        lambda what, f: _S.CosineDecay(
-            f["initial_learning_rate"], f["decay_steps"], alpha=f["alpha"]
-        ),
-    ),
-}
-# Model Garden's WARMUP_CLS.
-WARMUP_TYPES = {
-    "linear": _ScheduleType(
-        {"name": "linear", "warmup_learning_rate": 0.0, "warmup_steps": None},
-        ("warmup_steps",),
-        _build_linear_warmup,
-    ),
-    "polynomial": _ScheduleType(
-        {"name": "polynomial", "power": 1.0, "warmup_steps": None},
-        ("warmup_steps",),
-        lambda what, schedule, w: schedules.PolynomialWarmup(
-            schedule, w["warmup_steps"], w["power"]
-        ),
-    ),
-}
 EMA_FIELDS = {
     "name": "ExponentialMovingAverage",
     **_CLIP_FIELDS,
@@ -380,93 +267,6 @@ EMA_FIELDS = {
     "dynamic_decay": True,
 }
 BLOCK_KEYS = ("optimizer", "learning_rate", "warmup", "ema")
-
-
-class _SafeLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that also reads ``1e-4`` (no dot) as a float, as
-    Model Garden's loader does (YAML 1.1 would make it a string)."""
-
-
-_SafeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def load(cfg: dict | str | os.PathLike) -> dict:
-    """A dict from a dict, a YAML string or a path to a YAML file (safe
-    loader only)."""
-    if isinstance(cfg, dict):
-        return cfg
-    if isinstance(cfg, os.PathLike) or (
-        isinstance(cfg, str)
-        and "\n" not in cfg
-        and (os.path.exists(cfg) or cfg.endswith((".yaml", ".yml")))
-    ):
-        if not os.path.isfile(cfg):
-            raise ValueError(f"The config file {os.fspath(cfg)!r} does not exist.")
-        with open(cfg) as f:
-            cfg = f.read()
-    if not isinstance(cfg, str):
-        raise ValueError(f"Expected a dict, a YAML string or a path. Received: {cfg!r}")
-    try:
-        loaded = yaml.load(cfg, Loader=_SafeLoader)
-    except yaml.YAMLError as error:
-        raise ValueError(f"Invalid YAML: {error}") from error
-    if not isinstance(loaded, dict):
-        if isinstance(loaded, str) and " " not in loaded and os.sep in loaded:
-            raise ValueError(f"The config file {cfg!r} does not exist.")
-        raise ValueError(f"The YAML does not hold a mapping. Received: {cfg[:200]!r}")
-    _check_expanded_size(loaded)
-    return loaded
-
-
-# The values a config may hold once YAML's aliases are expanded: a whole
-# experiment holds a few hundred.
-MAX_CONFIG_VALUES = 100_000
-
-
-def _check_expanded_size(loaded):
-    """Raises ValueError if `loaded` holds more than `MAX_CONFIG_VALUES`
-    values with its aliases expanded. YAML shares an aliased block instead
-    of copying it, so a few lines of aliases of aliases load at once but
-    expand exponentially (or forever, for a block that contains itself) in
-    any later walk of the config. Counts by walking, stopping at the bound:
-    its cost is the bound's, whatever the config."""
-    count, stack = 0, [loaded]
-    while stack:
-        node = stack.pop()
-        count += 1
-        if count > MAX_CONFIG_VALUES:
-            raise ValueError(
-                f"The config holds more than {MAX_CONFIG_VALUES:,} values once its YAML "
-                "aliases are expanded (aliases of aliases repeat a block exponentially): "
-                "refused. Write the repeated values out, or use fewer aliases."
-            )
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-
-
-def optimization_block(cfg: dict | str | os.PathLike) -> dict:
-    """The `optimization` block of `cfg`: the block itself, or a Model Garden
-    experiment's `trainer.optimizer_config`."""
-    cfg = load(cfg)
-    if "trainer" in cfg:
-        trainer = cfg["trainer"] or {}
-        if "optimizer_config" not in trainer:
-            raise ValueError("The experiment's `trainer` has no `optimizer_config`.")
-        return trainer["optimizer_config"]
-    return cfg
 
 
 def accumulation_steps(cfg: dict | str | os.PathLike) -> int:
@@ -481,135 +281,6 @@ def accumulation_steps(cfg: dict | str | os.PathLike) -> int:
     while parsed.inner is not None:
         parsed = parsed.inner
     return int(parsed.fields.get("gradient_accumulation_steps") or 1)
-
-
-# Learning rates and the values of rate schedules.
-_RATE = validation.NON_NEGATIVE_NUMBER
-# One check per field name, whichever block holds it: the same rule as the
-# constructors' (tf_vrgd.validation), applied when the block is read, so
-# that a bad value is named with its place in the block.
-FIELD_CHECKS = {
-    # learning rates and schedules
-    "learning_rate": _RATE,
-    "initial_learning_rate": _RATE,
-    "end_learning_rate": _RATE,
-    "warmup_learning_rate": _RATE,
-    "values": validation.list_of(_RATE),
-    "decay_steps": validation.integer(1),
-    "warmup_steps": validation.integer(0),
-    "offset": validation.integer(0),
-    "decay_start_steps": validation.integer(0),
-    "boundaries": validation.list_of(validation.integer(0)),
-    "decay_rate": validation.POSITIVE_NUMBER,
-    "power": validation.number(),
-    "alpha": validation.number(0.0, 1.0),
-    "staircase": validation.check_bool,
-    "cycle": validation.check_bool,
-    # optimizers
-    "name": validation.string,
-    "momentum": validation.UNIT_INTERVAL,
-    "nesterov": validation.check_bool,
-    "beta_1": validation.UNIT_INTERVAL,
-    "beta_2": validation.UNIT_INTERVAL,
-    "epsilon": validation.NON_NEGATIVE_NUMBER,
-    "amsgrad": validation.check_bool,
-    "weight_decay_rate": validation.NON_NEGATIVE_NUMBER,
-    "weight_decay": validation.NON_NEGATIVE_NUMBER,
-    "eeta": validation.POSITIVE_NUMBER,
-    "trust_coefficient": validation.POSITIVE_NUMBER,
-    "classic_momentum": validation.check_bool,
-    "clip": validation.check_bool,
-    "clipnorm": validation.POSITIVE_NUMBER,
-    "clipvalue": validation.POSITIVE_NUMBER,
-    "global_clipnorm": validation.POSITIVE_NUMBER,
-    "gradient_clip_norm": validation.NON_NEGATIVE_NUMBER,
-    "gradient_accumulation_steps": validation.integer(1),
-    "exclude_from_weight_decay": validation.check_regex_list,
-    "exclude_from_layer_adaptation": validation.check_regex_list,
-    "include_in_weight_decay": validation.check_regex_list,
-    "gamma": validation.number(0.0, 1.0, low_open=True),
-    "beta_3": validation.UNIT_INTERVAL,
-    "gsnr_epsilon": validation.POSITIVE_NUMBER,
-    "gsnr_interval": validation.integer(1),
-    "jit_update": validation.check_bool,
-    "track_gsnr_statistics": validation.check_bool,
-    "decay": validation.NON_NEGATIVE_NUMBER,
-    # ema
-    "average_decay": validation.number(0.0, 1.0),
-    "dynamic_decay": validation.check_bool,
-    "trainable_weights_only": validation.check_bool,
-    "start_step": validation.integer(0),
-}
-
-
-def _fields(what, given, accepted):
-    """`accepted` (defaults) updated with `given`; unknown fields raise, and
-    each given value is checked (`FIELD_CHECKS`, `None` meaning unset)."""
-    if given is not None and not isinstance(given, dict):
-        raise ValueError(f"`{what}` must be a mapping of fields. Received: {given!r}")
-    given = dict(given or {})
-    unknown = sorted(set(given) - set(accepted))
-    if unknown:
-        raise ValueError(f"Unknown field(s) {unknown} in {what}. Accepted: {sorted(accepted)}")
-    for name, value in given.items():
-        if value is not None and name in FIELD_CHECKS:
-            given[name] = FIELD_CHECKS[name](f"{what}.{name}", value)
-    return {**accepted, **given}
-
-
-def _one_of(what, block, types):
-    """Model Garden's one-of: ``{type: t, t: {...}}`` -> (t, fields)."""
-    if not isinstance(block, dict):
-        raise ValueError(f"`{what}` must be a mapping. Received: {block!r}")
-    kind = block.get("type")
-    if kind not in types:
-        raise ValueError(f"Unknown {what} type {kind!r}. Accepted: {sorted(types)}")
-    extra = sorted(set(block) - {"type", kind})
-    if extra:
-        raise ValueError(
-            f"`{what}` has key(s) {extra} besides `type` and `{kind}`; a one-of "
-            "block holds only the chosen type's fields."
-        )
-    return kind, block.get(kind) or {}
-
-
-def _required(what, fields, *names):
-    missing = [n for n in names if fields.get(n) is None]
-    if missing:
-        raise ValueError(f"{what} needs {missing}.")
-
-
-def learning_rate_from_config(block: dict) -> keras.optimizers.schedules.LearningRateSchedule:
-    """A Keras 3 `LearningRateSchedule` from `learning_rate` (+ `warmup`)."""
-    cfg = block.get("learning_rate")
-    if cfg is None:
-        raise ValueError(
-            "The optimization block has no `learning_rate`. Accepted types: "
-            f"{sorted(LEARNING_RATE_TYPES)}"
-        )
-    kind, given = _one_of("learning_rate", cfg, LEARNING_RATE_TYPES)
-    what = f"learning_rate.{kind}"
-    kind = LEARNING_RATE_TYPES[kind]
-    f = _fields(what, given, kind.fields)
-    _required(what, f, *kind.required)
-    schedule = kind.build(what, f)
-    if f.get("offset"):
-        schedule = schedules.Offset(schedule, f["offset"])
-
-    warmup = block.get("warmup")
-    if warmup is not None and not isinstance(warmup, dict):
-        raise ValueError(
-            "`warmup` must be a mapping such as {type: linear, linear: {warmup_steps: "
-            f"1000}}. Received: warmup={warmup!r}"
-        )
-    if warmup is not None and warmup.get("type") is not None:
-        kind, given = _one_of("warmup", warmup, WARMUP_TYPES)
-        what = f"warmup.{kind}"
-        kind = WARMUP_TYPES[kind]
-        w = _fields(what, given, kind.fields)
-        _required(what, w, *kind.required)
-        schedule = kind.build(what, schedule, w)
-    return schedule
 
 
 def _ema_kwargs(block):
