@@ -217,7 +217,7 @@ def test_throughput_leaves_out_every_process_start():
         {"updates": 6, "seconds": 40.0, "examples_per_second": 2.5, "includes_startup": True},
         {"updates": 8, "seconds": 3.0, "examples_per_second": 100.0 / 3, "includes_startup": False},
     ]
-    experiment = type("E", (), {"replicas": 1})()
+    experiment = type("E", (), {"replicas": 1, "global_batch": 16})()
     (row,) = task_runs.summarize({"run": records}, experiment)
     assert row["examples_per_second"] == pytest.approx(200.0 / 4.0)
     assert row["first_interval_seconds"] == 50.0
