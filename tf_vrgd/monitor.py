@@ -110,7 +110,6 @@ class GSNRMonitor(keras.callbacks.Callback):
             noise_scale.MovingNoiseScale(self.noise_scale_decay),  # model-wide
             noise_scale.MovingNoiseScale(self.noise_scale_decay),  # per variable
         )
-        self._read_sums = None
         shared = replica_noise.shared_streams(self.model)
         if replicas > 1 and shared:
             warnings.warn(
@@ -123,7 +122,6 @@ class GSNRMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._optimizer.reset_gsnr_statistics()
         self._last_sums = None
-        self._read_sums = None
 
     def on_train_batch_end(self, batch, logs=None):
         if self.update_freq == "epoch" or (batch + 1) % self.update_freq:
@@ -138,26 +136,23 @@ class GSNRMonitor(keras.callbacks.Callback):
         sums = self._optimizer.gsnr_statistic_sums()
         if sums is None or logs is None:
             return
-        measured = self._update_noise_scale(sums)
-        span = sums
-        if not since_epoch_start:
-            if self._last_sums is not None:
-                span = sums - self._last_sums
-            self._last_sums = sums
-            if not (span[:, -1] > 0).any():  # the update counts: no GSNR update
-                return
+        since_last = sums if self._last_sums is None else sums - self._last_sums
+        self._last_sums = sums
+        measured = self._update_noise_scale(since_last)
+        span = sums if since_epoch_start else since_last
+        if not since_epoch_start and not (span[:, -1] > 0).any():
+            return  # the update counts: no GSNR update since the last read
         logs.update(self.statistics_logs(span))
         if self._update_examples is not None:
             measured = measured or (since_epoch_start and (span[:, -1] > 0).any())
             logs.update(self._noise_scale_logs(measured))
 
-    def _update_noise_scale(self, sums):
-        """Adds the GSNR updates since the previous read to the noise
-        scale's moving averages; whether there were any."""
+    def _update_noise_scale(self, span):
+        """Adds the GSNR updates of `span` (the running sums since the
+        previous read) to the noise scale's moving averages; whether there
+        were any."""
         if self._update_examples is None:
             return False
-        span = sums if self._read_sums is None else sums - self._read_sums
-        self._read_sums = sums
         if not (span[:, -1] > 0).all():
             return False
         trace, squared_norm = noise_scale.estimates(
@@ -176,7 +171,7 @@ class GSNRMonitor(keras.callbacks.Callback):
             values = np.full(len(self._optimizer.trainable_variables_in_order()), np.nan)
             entries = {"noise_scale": float("nan")}
         else:
-            values = np.broadcast_to(per_variable.value, [len(per_variable.trace)])
+            values = per_variable.value
             entries = {"noise_scale": float(model_wide.value)}
         if self.per_variable:
             for variable, value in zip(self._optimizer.trainable_variables_in_order(), values):
