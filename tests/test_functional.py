@@ -205,6 +205,42 @@ def test_gsnr_scale_matches_numpy(gamma):
         assert np.any(expected == gamma) and np.any(expected == 1.0)
 
 
+@pytest.mark.parametrize("unmeasured", ["none", "zero", "square overflow", "inf", "nan"])
+@pytest.mark.parametrize("compiled", ["eager", "graph", "xla"])
+def test_measured_mean_gsnr_is_the_mean_over_the_measured_elements(unmeasured, compiled):
+    samples = RNG.standard_normal((4, 6, 5)) + 0.7
+    mean = samples.mean(0).astype(np.float32)
+    second = np.square(samples).mean(0).astype(np.float32)
+    if unmeasured == "zero":
+        mean[1, 2], second[1, 2] = 0.0, 0.0
+        mean[4, 0], second[4, 0] = 0.0, 0.0
+    elif unmeasured == "square overflow":  # samples +-1e20: mean 0, s = Inf in float32
+        mean[2, 3], second[2, 3] = 0.0, np.inf
+    elif unmeasured == "inf":
+        mean[0, 1], second[0, 1] = np.inf, np.inf
+    elif unmeasured == "nan":
+        mean[3, 3], second[3, 3] = np.nan, np.nan
+    # numpy: raw GSNR over the finite s > 0, in float64.
+    with np.errstate(invalid="ignore"):
+        measured = (second > 0) & np.isfinite(second)
+    m, s = mean[measured].astype(np.float64), second[measured].astype(np.float64)
+    expected = np.mean(m**2 / np.maximum(s - m**2, 1e-6 * s))
+    assert measured.sum() == 30 - {"none": 0, "zero": 2}.get(unmeasured, 1)
+
+    function = functional.measured_mean_gsnr
+    if compiled != "eager":
+        function = tf.function(function, jit_compile=compiled == "xla")
+    got = function(tf.constant(mean), tf.constant(second), 1e-6)
+    ref.assert_close(got, expected, f"measured_mean_gsnr ({unmeasured}, {compiled})", rtol=1e-5)
+
+
+def test_measured_mean_gsnr_of_nothing_measured_is_zero():
+    zeros = tf.zeros((3, 2))
+    assert float(functional.measured_mean_gsnr(zeros, zeros, 1e-6)) == 0.0
+    empty = tf.zeros((0, 4))
+    assert float(functional.measured_mean_gsnr(empty, empty, 1e-6)) == 0.0
+
+
 def test_gsnr_of_identical_samples_is_one_and_finite():
     sample = RNG.standard_normal((4, 3)).astype(np.float32)
     mean = tf.constant(sample)
