@@ -295,16 +295,27 @@ def interval(results, args):
 
 
 def _interval_lines(results, args):
-    rows = {}
-    for r in results.values():
-        if r["optimizer"].startswith("vr_") and "gsnr_interval" in r and r["batch"] in args.batches:
-            slot = (r["optimizer"], r["batch"], r["lr_multiplier"], r["gsnr_interval"])
-            rows.setdefault(slot, []).append(r)
-    lines = []
-    for (name, batch, rate, n), group in sorted(rows.items()):
-        group.sort(key=lambda r: r["seed"])
-        lines.append(_summary_line(f"{name} b{batch} x{rate:g} N={n}", group))
-    return lines
+    measured = [
+        r
+        for r in results.values()
+        if r["optimizer"].startswith("vr_") and "gsnr_interval" in r and r["batch"] in args.batches
+    ]
+    groups = _seed_groups(
+        measured, lambda r: (r["optimizer"], r["batch"], r["lr_multiplier"], r["gsnr_interval"])
+    )
+    return [
+        _summary_line(f"{name} b{batch} x{rate:g} N={n}", group)
+        for (name, batch, rate, n), group in groups
+    ]
+
+
+def _seed_groups(rows, key):
+    """The `rows` grouped by `key(row)`: ``[(key, rows in seed order)]`` in
+    the keys' order."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    return [(k, sorted(group, key=lambda r: r["seed"])) for k, group in sorted(groups.items())]
 
 
 def _run_fields(row):
@@ -359,22 +370,18 @@ def report(results, args):
     lines.append("")
 
     lines += ["3. each base at its twin's effective rate (twin's rate x mean applied scale)", ""]
-    followers = {}
-    for r in results.values():
-        if r.get("follows"):
-            followers.setdefault((r["follows"], r["lr_multiplier"]), []).append(r)
-    for (twin, multiplier), rows in sorted(followers.items()):
-        rows.sort(key=lambda r: r["seed"])
+    followers = [r for r in results.values() if r.get("follows")]
+    for (twin, multiplier), rows in _seed_groups(
+        followers, lambda r: (r["follows"], r["lr_multiplier"])
+    ):
         lines.append(_summary_line(f"{rows[0]['optimizer']} x{multiplier:.3g} (at {twin})", rows))
     lines.append("")
 
     lines += ["4. twins at their best rate, k samples per update at a fixed global batch", ""]
-    by_k = {}
-    for r in results.values():
-        if r["k"] != k and not r.get("follows"):
-            by_k.setdefault((r["optimizer"], r["batch"], r["k"], r["lr_multiplier"]), []).append(r)
-    for (name, batch, samples_k, _), rows in sorted(by_k.items()):
-        rows.sort(key=lambda r: r["seed"])
+    other_k = [r for r in results.values() if r["k"] != k and not r.get("follows")]
+    for (name, batch, samples_k, _), rows in _seed_groups(
+        other_k, lambda r: (r["optimizer"], r["batch"], r["k"], r["lr_multiplier"])
+    ):
         lines.append(_summary_line(f"{name} b{batch} k={samples_k}", rows))
     for (name, batch), row in sorted(best.items()):
         if name.startswith("vr_") and batch == (args.samples_batch or max(args.batches)):

@@ -7,6 +7,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tests import references as ref
+
 
 def make_model(seed=0, weight_scales=(3.0, 0.5, 0.2, 0.05)):
     """Two Dense layers (paths sequential/dense/kernel, .../dense/bias,
@@ -57,6 +59,11 @@ def mean_over_replicas(stream):
         ]
         for step in stream
     ]
+
+
+def model_stream(micro_steps, replicas, scales, seed):
+    """`gradient_stream` over `make_model()`'s variables."""
+    return gradient_stream(model_shapes(), micro_steps, replicas=replicas, scales=scales, seed=seed)
 
 
 def samples_per_update(stream, accumulation_steps):
@@ -120,6 +127,16 @@ def run_mirrored(strategy, make_optimizer, stream):
     initial = model.get_weights()
     apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
     return initial, model.get_weights(), optimizer
+
+
+def run_mirrored_against(strategy, make_optimizer, stream, steps, reference, label):
+    """`run_mirrored`, then the final weights asserted against
+    `reference(initial weights, samples_per_update(stream, steps))`;
+    returns what `run_mirrored` does."""
+    initial, got, optimizer = run_mirrored(strategy, make_optimizer, stream)
+    expected = reference(initial, samples_per_update(stream, steps))
+    ref.assert_all_close(got, expected, label, rtol=1e-4)
+    return initial, got, optimizer
 
 
 def free_ports(count):

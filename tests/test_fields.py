@@ -47,48 +47,58 @@ def test_override_keys_the_config_lacks_but_the_task_reads_are_taken():
         fields.check_override_keys(cfg, ["task.model.embeding_dim=8"])
 
 
-@pytest.mark.parametrize(
-    "override, said",
-    [
-        ("trainer.checkpoint_interval=-1", "trainer.checkpoint_interval` must be an integer in [1"),
-        ("trainer.checkpoint_interval=0", "trainer.checkpoint_interval` must be an integer in [1"),
-        ("trainer.validation_steps=0", "trainer.validation_steps` must be an integer in [1"),
-        ("trainer.validation_steps=-1", "trainer.validation_steps` must be an integer in [1"),
-        ("trainer.train_steps=0", "trainer.train_steps` must be an integer in [1"),
-        ("task.train_data.global_batch_size=abc", "global_batch_size` must be an integer"),
-        ("task.train_data.global_batch_size=0", "global_batch_size` must be an integer in [1"),
-        ("task.train_data.global_batch_size=-8", "global_batch_size` must be an integer in [1"),
-        ("task.train_data.global_batch_size=16.7", "global_batch_size` must be an integer"),
-        ("task.model.embedding_dim=abc", "task.model.embedding_dim` must be an integer"),
-        ("task.model.vocab_sizes=[4, 0]", "task.model.vocab_sizes[1]` must be an integer in [1"),
-        ("runtime.seed=-1", "runtime.seed` must be an integer in [0"),
-        (
-            "trainer.optimizer_config.learning_rate.delayed_polynomial.initial_learning_rate=abc",
-            "initial_learning_rate",
-        ),
-    ],
-)
-def test_bad_task_and_trainer_values_are_named(override, said, tmp_path):
-    message = _main(PAPER, tmp_path, override)
+# (config, --override, what the message says)
+BAD_VALUES = [
+    *(
+        ("dlrm", override, said)
+        for override, said in [
+            (
+                "trainer.checkpoint_interval=-1",
+                "trainer.checkpoint_interval` must be an integer in [1",
+            ),
+            (
+                "trainer.checkpoint_interval=0",
+                "trainer.checkpoint_interval` must be an integer in [1",
+            ),
+            ("trainer.validation_steps=0", "trainer.validation_steps` must be an integer in [1"),
+            ("trainer.validation_steps=-1", "trainer.validation_steps` must be an integer in [1"),
+            ("trainer.train_steps=0", "trainer.train_steps` must be an integer in [1"),
+            ("task.train_data.global_batch_size=abc", "global_batch_size` must be an integer"),
+            ("task.train_data.global_batch_size=0", "global_batch_size` must be an integer in [1"),
+            ("task.train_data.global_batch_size=-8", "global_batch_size` must be an integer in [1"),
+            ("task.train_data.global_batch_size=16.7", "global_batch_size` must be an integer"),
+            ("task.model.embedding_dim=abc", "task.model.embedding_dim` must be an integer"),
+            (
+                "task.model.vocab_sizes=[4, 0]",
+                "task.model.vocab_sizes[1]` must be an integer in [1",
+            ),
+            ("runtime.seed=-1", "runtime.seed` must be an integer in [0"),
+            (
+                "trainer.optimizer_config.learning_rate.delayed_polynomial.initial_learning_rate=abc",
+                "initial_learning_rate",
+            ),
+        ]
+    ),
+    *(
+        ("fashion", override, said)
+        for override, said in [
+            ("task.train_data.global_batch_size=abc", "global_batch_size` must be an integer"),
+            ("task.model.width=abc", "task.model.width` must be an integer"),
+            ("trainer.train_steps=0", "trainer.train_steps` must be an integer in [1"),
+            (
+                "trainer.optimizer_config.learning_rate.cosine.initial_learning_rate=abc",
+                "initial_learning_rate",
+            ),
+        ]
+    ),
+]
+
+
+@pytest.mark.parametrize("config, override, said", BAD_VALUES)
+def test_bad_task_and_trainer_values_are_named(config, override, said, tmp_path):
+    message = _main({"dlrm": PAPER, "fashion": FASHION}[config], tmp_path, override)
     assert message.startswith("vrgd-train: ") and said in message, message
     assert "Traceback" not in message
-
-
-@pytest.mark.parametrize(
-    "override, said",
-    [
-        ("task.train_data.global_batch_size=abc", "global_batch_size` must be an integer"),
-        ("task.model.width=abc", "task.model.width` must be an integer"),
-        ("trainer.train_steps=0", "trainer.train_steps` must be an integer in [1"),
-        (
-            "trainer.optimizer_config.learning_rate.cosine.initial_learning_rate=abc",
-            "initial_learning_rate",
-        ),
-    ],
-)
-def test_bad_fashion_mnist_values_are_named(override, said, tmp_path):
-    message = _main(FASHION, tmp_path, override)
-    assert message.startswith("vrgd-train: ") and said in message, message
 
 
 def test_checked_fields_keep_their_values():

@@ -5,6 +5,8 @@ update paths; the collective carries the squares at GSNR updates only; a
 restore between GSNR updates resumes exactly; statistics count GSNR
 updates."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -35,14 +37,15 @@ def _reference(case, initial, samples_per_update, interval=INTERVAL):
 @pytest.mark.parametrize("path", ["packed", "mixed", "fused"])
 @pytest.mark.parametrize("case", CASES)
 def test_interval_matches_reference_on_four_replicas(strategy, case, path):
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=31
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=31)
+    initial, got, optimizer = helpers.run_mirrored_against(
+        strategy,
+        lambda: CASES[case].make(gsnr_interval=INTERVAL),
+        stream,
+        1,
+        functools.partial(_reference, case),
+        f"{case} gsnr_interval=3 (4 replicas)",
     )
-    initial, got, optimizer = helpers.run_mirrored(
-        strategy, lambda: CASES[case].make(gsnr_interval=INTERVAL), stream
-    )
-    expected = _reference(case, initial, helpers.samples_per_update(stream, 1))
-    ref.assert_all_close(got, expected, f"{case} gsnr_interval=3 (4 replicas)", rtol=1e-4)
     # Not the rule measured at every update: the interval changes the result.
     every = _reference(case, initial, helpers.samples_per_update(stream, 1), interval=1)
     assert max(ref.relative_error(g, e) for g, e in zip(got, every)) > 1e-3
@@ -52,16 +55,15 @@ def test_interval_matches_reference_on_four_replicas(strategy, case, path):
 @pytest.mark.parametrize("case", ["VR-Momentum", "VR-Adam", "VR-LARS"])
 def test_interval_with_accumulation_on_four_replicas(strategy, case):
     steps = 2
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES * steps, replicas=4, scales=SCALES, seed=32
-    )
-    initial, got, optimizer = helpers.run_mirrored(
+    stream = helpers.model_stream(UPDATES * steps, 4, SCALES, seed=32)
+    _, _, optimizer = helpers.run_mirrored_against(
         strategy,
         lambda: CASES[case].make(gsnr_interval=INTERVAL, gradient_accumulation_steps=steps),
         stream,
+        steps,
+        functools.partial(_reference, case),
+        f"{case} gsnr_interval=3 (4 replicas x 2)",
     )
-    expected = _reference(case, initial, helpers.samples_per_update(stream, steps))
-    ref.assert_all_close(got, expected, f"{case} gsnr_interval=3 (4 replicas x 2)", rtol=1e-4)
     # Squares are summed in GSNR updates only: after the last update (8, not
     # a GSNR update) every accumulator is back at zero.
     for slot in optimizer._accumulated_squares:
@@ -72,9 +74,7 @@ def test_interval_with_accumulation_on_four_replicas(strategy, case):
 @pytest.mark.parametrize("case", ["VR-SGD", "VR-LAMB"])
 def test_interval_with_accumulation_on_one_device(case):
     steps = 3
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES * steps, replicas=1, scales=SCALES, seed=33
-    )
+    stream = helpers.model_stream(UPDATES * steps, 1, SCALES, seed=33)
     model = helpers.make_model()
     initial = model.get_weights()
     optimizer = CASES[case].make(gsnr_interval=INTERVAL, gradient_accumulation_steps=steps)
@@ -106,9 +106,7 @@ def test_squares_are_reduced_at_gsnr_updates_only(strategy, monkeypatch):
 
 @pytest.mark.parametrize("beta_3", [0.0, 0.9])
 def test_restore_between_gsnr_updates_resumes_exactly(strategy, beta_3, tmp_path):
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=35
-    )
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=35)
     make = lambda: tf_vrgd.VRSGD(0.5, momentum=0.9, beta_3=beta_3, gsnr_interval=INTERVAL)
     _, uninterrupted, _ = helpers.run_mirrored(strategy, make, stream)
 
@@ -132,9 +130,7 @@ def test_restore_between_gsnr_updates_resumes_exactly(strategy, beta_3, tmp_path
 
 
 def test_statistics_describe_gsnr_updates(strategy):
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=36
-    )
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=36)
     _, _, optimizer = helpers.run_mirrored(
         strategy,
         lambda: tf_vrgd.VRAdam(0.05, gsnr_interval=INTERVAL, track_gsnr_statistics=True),

@@ -37,35 +37,30 @@ def _make(case, **extra):
 @pytest.mark.parametrize("path", PACKING)
 @pytest.mark.parametrize("case", CASES)
 def test_vr_matches_reference_on_four_replicas(strategy, case, path):
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=11
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=11)
+    reference = functools.partial(_reference, case)
+    _, _, optimizer = helpers.run_mirrored_against(
+        strategy, lambda: _make(case), stream, 1, reference, f"{case} (4 replicas)"
     )
-    initial, got, optimizer = helpers.run_mirrored(strategy, lambda: _make(case), stream)
-    expected = _reference(case, initial, helpers.samples_per_update(stream, 1))
-    ref.assert_all_close(got, expected, f"{case} (4 replicas)", rtol=1e-4)
     assert int(optimizer.iterations.numpy()) == UPDATES
 
 
 @pytest.mark.parametrize("case", ["VR-Momentum", "VR-Adam", "VR-LAMB"])
 def test_vr_matches_reference_with_accumulation_on_four_replicas(strategy, case):
     steps = 2
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES * steps, replicas=4, scales=SCALES, seed=12
+    stream = helpers.model_stream(UPDATES * steps, 4, SCALES, seed=12)
+    make = functools.partial(_make, case, gradient_accumulation_steps=steps)
+    label = f"{case} (4 replicas x 2 micro-steps)"
+    _, _, optimizer = helpers.run_mirrored_against(
+        strategy, make, stream, steps, functools.partial(_reference, case), label
     )
-    initial, got, optimizer = helpers.run_mirrored(
-        strategy, lambda: _make(case, gradient_accumulation_steps=steps), stream
-    )
-    expected = _reference(case, initial, helpers.samples_per_update(stream, steps))
-    ref.assert_all_close(got, expected, f"{case} (4 replicas x 2 micro-steps)", rtol=1e-4)
     assert int(optimizer.iterations.numpy()) == UPDATES
 
 
 @pytest.mark.parametrize("case", ["VR-SGD", "VR-Adam", "VR-LARS", "VR-LAMB"])
 def test_vr_matches_reference_with_accumulation_on_one_device(case):
     steps = 3
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES * steps, replicas=1, scales=SCALES, seed=13
-    )
+    stream = helpers.model_stream(UPDATES * steps, 1, SCALES, seed=13)
     model = helpers.make_model()
     initial = model.get_weights()
     optimizer = _make(case, gradient_accumulation_steps=steps)
@@ -92,9 +87,7 @@ TWINS = {
 @pytest.mark.parametrize("path", ["packed", "fused"])
 @pytest.mark.parametrize("name", TWINS)
 def test_gamma_one_equals_base_optimizer(strategy, name, path):
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=14
-    )
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=14)
     _, vr, _ = helpers.run_mirrored(strategy, lambda: TWINS[name](gamma=1.0, beta_3=0.5), stream)
     _, base, _ = helpers.run_mirrored(strategy, BASES[name], stream)
     # keras.optimizers.Lamb itself is 1.2e-4 (relative) away from a float64
@@ -113,9 +106,7 @@ def test_gamma_one_equals_base_optimizer(strategy, name, path):
 @pytest.mark.parametrize("path", ["packed", "fused"])
 @pytest.mark.parametrize("name", TWINS)
 def test_identical_replicas_give_base_optimizer(strategy, name, path):
-    one = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES, replicas=1, scales=SCALES, seed=15
-    )
+    one = helpers.model_stream(UPDATES, 1, SCALES, seed=15)
     stream = [[step[0]] * 4 for step in one]
     _, vr, _ = helpers.run_mirrored(strategy, TWINS[name], stream)
     _, base, _ = helpers.run_mirrored(strategy, BASES[name], stream)
@@ -166,9 +157,7 @@ def test_bad_hyper_parameters_raise(cls, kwargs, argument):
 
 
 def test_xla_update_equals_non_xla_under_mirrored_strategy(strategy):
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=17
-    )
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=17)
     for name in ("VRAdam", "VRLARS"):  # one adaptive and one layer-wise rule
         make = TWINS[name]
         _, xla, _ = helpers.run_mirrored(strategy, functools.partial(make, jit_update=True), stream)
@@ -227,9 +216,7 @@ def _update_traces(optimizer):
 
 
 def test_update_is_traced_once(strategy):
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=18
-    )
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=18)
     with strategy.scope():
         model = helpers.make_model()
         optimizer = tf_vrgd.VRAdam()
@@ -265,9 +252,7 @@ def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulati
 
 
 def test_larc_wraps_a_vr_optimizer(strategy):
-    stream = helpers.gradient_stream(
-        helpers.model_shapes(), UPDATES, replicas=4, scales=SCALES, seed=19
-    )
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=19)
     initial, got, _ = helpers.run_mirrored(
         strategy, lambda: tf_vrgd.LARC(tf_vrgd.VRSGD(0.5, momentum=0.9)), stream
     )
