@@ -668,3 +668,22 @@ def test_a_rescaled_schedule_moves_the_decay_start_with_the_other_step_counts():
     fields = rescaled["learning_rate"]["delayed_polynomial"]
     assert (fields["decay_start_steps"], fields["decay_steps"]) == (480, 240)
     assert rescaled["warmup"]["linear"]["warmup_steps"] == 80
+
+
+def test_a_noise_scale_block_wraps_its_inner_optimizer():
+    inner = {"type": "adam", "adam": {"gradient_accumulation_steps": 2, "beta_1": 0.8}}
+    block = _block(
+        optimizer={"type": "noise_scale", "noise_scale": {"interval": 4, "optimizer": inner}}
+    )
+    optimizer = config.optimizer_from_config(block)
+    assert isinstance(optimizer, tf_vrgd.NoiseScale) and optimizer.interval == 4
+    assert isinstance(optimizer.inner_optimizer, tf_vrgd.Adam)
+    assert optimizer.inner_optimizer.beta_1 == 0.8
+    assert config.accumulation_steps(block) == 2
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert restored.interval == 4 and restored.inner_optimizer.beta_1 == 0.8
+    bad = {"type": "noise_scale", "noise_scale": {"interval": 0, "optimizer": inner}}
+    with pytest.raises(ValueError, match=r"optimizer\.noise_scale\.interval` must be an integer"):
+        config.optimizer_from_config(_block(optimizer=bad))
+    with pytest.raises(ValueError, match=r"optimizer\.noise_scale needs an inner `optimizer`"):
+        config.optimizer_from_config(_block(optimizer={"type": "noise_scale", "noise_scale": {}}))

@@ -28,6 +28,9 @@ OPTIMIZERS = {
         keras.optimizers.Adam(0.01), trust_coefficient=0.05, clip=False, epsilon=1e-6
     ),
     "LARC(LARS)": lambda: tf_vrgd.LARC(tf_vrgd.LARS(0.3, exclude_from_weight_decay=["bias"])),
+    "NoiseScale(SGD)": lambda: tf_vrgd.NoiseScale(
+        keras.optimizers.SGD(0.05, momentum=0.9), interval=3
+    ),
 }
 
 

@@ -89,8 +89,21 @@ def _planted_regression(samples, updates, batch, features, delta_norm, sigma, se
             lambda: tf_vrgd.VRSGD(0.0, gradient_accumulation_steps=2, track_gsnr_statistics=True),
             2,
         ),
+        (lambda: tf_vrgd.NoiseScale(keras.optimizers.SGD(0.0)), 1),
+        (lambda: tf_vrgd.NoiseScale(keras.optimizers.Adam(0.0)), 1),
+        # Keras' SGD and Adam with the package's accumulation under
+        # MirroredStrategy (Keras' own fails there).
+        (lambda: tf_vrgd.NoiseScale(tf_vrgd.SGD(0.0, gradient_accumulation_steps=2)), 2),
+        (lambda: tf_vrgd.NoiseScale(tf_vrgd.Adam(0.0, gradient_accumulation_steps=2)), 2),
     ],
-    ids=["VRSGD k=4", "VRSGD k=8 (4 replicas x 2)"],
+    ids=[
+        "VRSGD k=4",
+        "VRSGD k=8 (4 replicas x 2)",
+        "NoiseScale(SGD) k=4",
+        "NoiseScale(Adam) k=4",
+        "NoiseScale(SGD) k=8 (4 replicas x 2)",
+        "NoiseScale(Adam) k=8 (4 replicas x 2)",
+    ],
 )
 def test_the_logged_noise_scale_finds_the_planted_one(strategy, make_optimizer, accumulation):
     """Linear regression with a planted noise scale.

@@ -199,6 +199,32 @@ def test_bench_step_times_each_gsnr_interval_and_the_own_base_rule():
     assert benchmark.collective_bytes(keras.optimizers.Adam(), 1000) == 4000
     assert benchmark.collective_bytes(tf_vrgd.VRAdam(), 1000) == 8000
     assert benchmark.collective_bytes(tf_vrgd.VRAdam(gsnr_interval=4), 1000) == 5000
+    # Every candidate's traffic, from the bytes of docs/algorithms.md §6:
+    # VR-LAMB at N = 4 moves Lamb's 28 B, plus at its GSNR update the sums'
+    # mean pass (8), the squares (4) and the momentum (8), and the momentum
+    # (4) at each of the three others: 28 + (20 + 12) / 4 = 36; each of the
+    # A micro-steps 12 B (20 at a GSNR update's).
+    assert set(row["traffic"]) == names and all(v > 0 for v in row["traffic"].values())
+    moved, a = row["bytes_per_parameter"], settings.accumulation
+    assert (moved["base"], moved["own base"]) == (28 + 12 * a, 28 + 12 * a)
+    assert (moved["vr"], moved["vr N=4"]) == (48 + 20 * a, 36 + a * (12 + 8 / 4))
+
+
+def test_update_bytes_follow_the_table_of_the_algorithms_document():
+    from tf_vrgd.experiments.benchmark import update_bytes
+
+    assert update_bytes("Adam") == 28
+    assert update_bytes("Adam", accumulation_steps=2) == 28 + 2 * 12
+    assert update_bytes("Adam", vr=True, beta_3=0.9, gsnr_interval=16) == 28 + (20 + 15 * 4) / 16
+    # VR-SGD (beta_3 = 0): no slot at N = 1; the last scale written at a
+    # GSNR update and read at the others when N > 1.
+    assert update_bytes("SGD", vr=True) == 20 + 12
+    assert update_bytes("SGD", vr=True, gsnr_interval=4) == 20 + (16 + 3 * 4) / 4
+    # Micro-steps: both sums at the GSNR update's, the gradient's alone else.
+    assert update_bytes("Lamb", vr=True, beta_3=0.9, accumulation_steps=2) == 48 + 2 * 20
+    assert update_bytes("Lamb", vr=True, beta_3=0.9, gsnr_interval=4, accumulation_steps=2) == (
+        36 + 2 * (12 + 8 / 4)
+    )
 
 
 def test_study_pairs_twin_and_base_by_seed():

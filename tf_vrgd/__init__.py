@@ -14,6 +14,7 @@ from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
 from tf_vrgd.loss_scale import LossScaleOptimizer
 from tf_vrgd.monitor import GSNRMonitor
+from tf_vrgd.noise_scale_optimizer import NoiseScale
 from tf_vrgd.replica_noise import independent_replica_noise
 from tf_vrgd.sgd import SGD
 from tf_vrgd.vr_adam import VRAdam
@@ -35,6 +36,7 @@ __all__ = [
     "AdamWeightDecay",
     "GSNRMonitor",
     "LossScaleOptimizer",
+    "NoiseScale",
     "VRAdam",
     "__version__",
     "find_vr_optimizer",

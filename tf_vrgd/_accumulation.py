@@ -39,7 +39,18 @@ from tf_vrgd._keras_adapters import (
 class ReplicaAccumulationMixin:
     """Mixed into a Keras optimizer (before it): `gradient_accumulation_steps`
     works under MirroredStrategy and MultiWorkerMirroredStrategy, as under
-    the default strategy. Without accumulation, the base class runs as is."""
+    the default strategy. Without accumulation, the base class runs as is.
+
+    A companion (`tf_vrgd.NoiseScale`'s) may set `_gradient_companion` to an
+    object with three functions: `replica_sums(grads, variables)`, called in
+    each replica at each micro-step, gives tensors of its own that the
+    update's collective reduces with the gradients (one call);
+    `reduced(distribution, means, variables, sums)` receives, on update
+    steps, the reduced means and those sums in cross-replica context; and
+    `reset()` runs in each replica after an update step.
+    """
+
+    _gradient_companion = None
 
     def build(self, var_list):
         if self.built:
@@ -88,31 +99,38 @@ class ReplicaAccumulationMixin:
             # `assign_add` goes through its `add`, which takes a (0, n)
             # operand for a bias and fails.
             tf_variable(slot).assign_add(tf.cast(tf.convert_to_tensor(gradient), slot.dtype))
+        companion = self._gradient_companion
+        extra = [] if companion is None else companion.replica_sums(grads, trainable_variables)
         # Keras' order: the mean over the micro-steps, clipped per replica.
         means = self._clip_gradients([slot.value.read_value() / steps for slot in slots])
         replica_context.merge_call(
-            self._accumulated_update, args=(means, list(trainable_variables))
+            self._accumulated_update, args=(means, list(trainable_variables), extra)
         )
         # After the update has read them (reads are ordered before later
         # writes to the same variable).
-        tf.cond(self._is_update_step(), lambda: self._zero(slots), lambda: None)
+        tf.cond(self._is_update_step(), lambda: self._zero(slots, companion), lambda: None)
         apply_moving_average(self, replica_context)
 
     def _is_update_step(self):
         return is_update_step(self)
 
     @staticmethod
-    def _zero(slots):
+    def _zero(slots, companion=None):
         for slot in slots:
             slot.assign(tf.zeros(slot.shape, slot.dtype))
+        if companion is not None:
+            companion.reset()
 
-    def _accumulated_update(self, distribution, means, variables):
+    def _accumulated_update(self, distribution, means, variables, extra=()):
         tf_variables = [tf_variable(v) for v in variables]
+        companion = self._gradient_companion
 
         def update():
-            reduced = distribution.extended.batch_reduce_to(
-                tf.distribute.ReduceOp.SUM, list(zip(means, tf_variables))
-            )
+            values = list(zip(means, tf_variables)) + [(e, tf_variables[0]) for e in extra]
+            reduced = distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, values)
+            reduced, reduced_extra = reduced[: len(means)], reduced[len(means) :]
+            if companion is not None:
+                companion.reduced(distribution, reduced, variables, reduced_extra)
             learning_rate = self.learning_rate
             if self.weight_decay is not None:
                 # Keras' decoupled weight decay, before the update step.

@@ -65,7 +65,11 @@ from tf_vrgd._gsnr_intake import (
     square_messages,
     update_groups,
 )
-from tf_vrgd._keras_adapters import apply_moving_average, build_without_keras_accumulators
+from tf_vrgd._keras_adapters import (
+    Untracked,
+    apply_moving_average,
+    build_without_keras_accumulators,
+)
 from tf_vrgd.statistics import variable_path
 
 _VR_ARGUMENTS = """\
@@ -241,7 +245,7 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
             self._accumulated_squares = None
             self._accumulated_rows = None
         # Diagnostics, not state: kept out of `variables` and checkpoints.
-        self._gsnr_monitor = _Untracked(
+        self._gsnr_monitor = Untracked(
             float32_slots("gsnr_statistics", shape=(statistics.ROW_WIDTH,), track=False)
             if self.track_gsnr_statistics
             else [None] * len(var_list)
@@ -420,11 +424,3 @@ def find_vr_optimizer(optimizer: keras.optimizers.Optimizer | None) -> GSNRMixin
 def _rows(variable):
     """The shape of a per-row slot of `variable`, None for a scalar."""
     return (variable.shape[0],) if len(variable.shape) else None
-
-
-class _Untracked:
-    """Holds a value out of sight of Keras' and TensorFlow's trackers, so
-    that it is neither optimizer state nor saved in checkpoints."""
-
-    def __init__(self, value):
-        self.value = value

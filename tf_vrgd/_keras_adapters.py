@@ -64,3 +64,11 @@ def _overwrite_with_moving_average(distribution, optimizer):
         ),
         lambda: None,
     )
+
+
+class Untracked:
+    """Holds a value out of sight of Keras' and TensorFlow's trackers, so
+    that it is neither optimizer state nor saved in checkpoints."""
+
+    def __init__(self, value):
+        self.value = value

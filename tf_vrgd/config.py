@@ -18,8 +18,9 @@ tensorflow/models sources)::
       dynamic_decay: false
 
 Model Garden's own types keep their field names and defaults (`sgd`,
-`adam`, `adamw`, `lamb`, `lars`); this package adds `larc` (fields of
-`tf_vrgd.LARC` plus an inner `optimizer` block) and `vr_sgd`, `vr_adam`,
+`adam`, `adamw`, `lamb`, `lars`); this package adds the wrappers `larc`
+and `noise_scale` (fields of `tf_vrgd.LARC` or `tf_vrgd.NoiseScale` plus
+an inner `optimizer` block) and `vr_sgd`, `vr_adam`,
 `vr_lamb`, `vr_lars`, whose fields are their constructors' arguments and
 also the fields of their base type, so that renaming `lamb` to `vr_lamb`
 switches a published block to its VR twin.
@@ -58,6 +59,7 @@ from tf_vrgd.adamw import AdamWeightDecay
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
+from tf_vrgd.noise_scale_optimizer import NoiseScale
 from tf_vrgd.sgd import SGD
 from tf_vrgd.vr_adam import VRAdam
 from tf_vrgd.vr_lamb import VRLAMB
@@ -256,6 +258,13 @@ OPTIMIZER_TYPES = {
     "vr_lars": _vr_type(VRLARS, _LARS, _lars_to_tf_vrgd),
 }
 LARC_FIELDS = {**_constructor_fields(LARC, exclude=("optimizer",)), "optimizer": None}
+NOISE_SCALE_FIELDS = {
+    **_constructor_fields(NoiseScale, exclude=("optimizer",)),
+    "optimizer": None,
+}
+# The wrapper types: the class and its fields, one of which is the inner
+# `optimizer` block.
+WRAPPER_TYPES = {"larc": (LARC, LARC_FIELDS), "noise_scale": (NoiseScale, NOISE_SCALE_FIELDS)}
 
 
 EMA_FIELDS = {
@@ -272,9 +281,9 @@ BLOCK_KEYS = ("optimizer", "learning_rate", "warmup", "ema")
 def accumulation_steps(cfg: dict | str | os.PathLike) -> int:
     """The micro-steps per update A that the `optimizer` block of `cfg` (an
     optimization block or a whole experiment) asks for: its
-    `gradient_accumulation_steps`, or for a `larc` block its inner
-    optimizer's (LARC applies on the inner optimizer's accumulated
-    gradient). 1 when unset. The block is checked as
+    `gradient_accumulation_steps`, or for a `larc` or `noise_scale` block
+    its inner optimizer's (the wrapper applies through the inner
+    optimizer's accumulation). 1 when unset. The block is checked as
     `optimizer_from_config` checks it.
     """
     parsed = _parse_optimizer("optimizer", _optimizer_block(optimization_block(cfg)))
@@ -308,7 +317,8 @@ def _ema_kwargs(block):
 @dataclasses.dataclass(frozen=True)
 class _ParsedOptimizer:
     """An `optimizer` one-of block, read and checked once: its type, its
-    fields (defaults filled in) and, for `larc`, the inner optimizer."""
+    fields (defaults filled in) and, for a wrapper type, the inner
+    optimizer."""
 
     kind: str
     fields: dict
@@ -322,10 +332,10 @@ def _optimizer_block(block):
 
 
 def _parse_optimizer(what, cfg):
-    kind, given = _one_of(what, cfg, {**OPTIMIZER_TYPES, "larc": None})
+    kind, given = _one_of(what, cfg, {**OPTIMIZER_TYPES, **WRAPPER_TYPES})
     what = f"{what}.{kind}"
-    if kind == "larc":
-        f = _fields(what, given, LARC_FIELDS)
+    if kind in WRAPPER_TYPES:
+        f = _fields(what, given, WRAPPER_TYPES[kind][1])
         if f["optimizer"] is None:
             raise ValueError(f"{what} needs an inner `optimizer` block.")
         inner = _parse_optimizer(f"{what}.optimizer", f.pop("optimizer"))
@@ -342,7 +352,8 @@ def _parse_optimizer(what, cfg):
 
 def _build_optimizer(parsed, learning_rate, extra):
     if parsed.inner is not None:
-        return LARC(_build_optimizer(parsed.inner, learning_rate, extra), **parsed.fields)
+        wrapper = WRAPPER_TYPES[parsed.kind][0]
+        return wrapper(_build_optimizer(parsed.inner, learning_rate, extra), **parsed.fields)
     accumulation = parsed.fields.get("gradient_accumulation_steps")
     if accumulation and accumulation > 1 and not _reads_its_own_step(learning_rate):
         # The block's step counts are updates (see schedules.PerUpdate).
@@ -392,8 +403,8 @@ def optimizer_from_fields(
     steps count updates, as the block's do), or a callable of no arguments
     (which counts updates itself under gradient accumulation).
 
-    `kind` is a type of `OPTIMIZER_TYPES`, or `larc`, whose fields hold the
-    inner ``optimizer`` block. Model Garden's factory builds its optimizers
+    `kind` is a type of `OPTIMIZER_TYPES`, or of `WRAPPER_TYPES`, whose
+    fields hold the inner ``optimizer`` block. Model Garden's factory builds its optimizers
     this way, from a config dataclass' fields; `tf_vrgd.model_garden`
     registers it. Raises ValueError for an unknown type or field, or a bad
     value.

@@ -10,6 +10,7 @@ import keras
 import tensorflow as tf
 
 from tf_vrgd import functional, validation
+from tf_vrgd._wrapper import InnerOptimizerWrapper
 
 
 def check_arguments(trust_coefficient, clip, epsilon, weight_decay):
@@ -34,7 +35,7 @@ def rule_config(wrapper) -> dict:
 
 
 @keras.saving.register_keras_serializable(package="tf_vrgd")
-class LARC(keras.optimizers.Optimizer):
+class LARC(InnerOptimizerWrapper):
     """Layer-wise Adaptive Rate Control wrapped around any Keras optimizer.
 
     Per variable `w`, on the cross-replica reduced gradient `g` (after
@@ -84,11 +85,7 @@ class LARC(keras.optimizers.Optimizer):
         weight_decay: float = 0.0,
         name: str | None = None,
     ) -> None:
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise ValueError(
-                "`optimizer` must be a Keras 3 optimizer instance "
-                f"(keras.optimizers.Optimizer). Received: optimizer={optimizer!r}"
-            )
+        self.check_inner(optimizer)
         if isinstance(optimizer, (LARC, keras.optimizers.LossScaleOptimizer)):
             raise ValueError(
                 "`optimizer` must not be a LARC or a LossScaleOptimizer: "
@@ -103,8 +100,7 @@ class LARC(keras.optimizers.Optimizer):
         trust_coefficient, clip, epsilon, weight_decay = check_arguments(
             trust_coefficient, clip, epsilon, weight_decay
         )
-        super().__init__(learning_rate=0.0, name=name)
-        self.inner_optimizer = optimizer
+        super().__init__(optimizer, name=name)
         self.trust_coefficient = trust_coefficient
         self.clip = clip
         self.epsilon = epsilon
@@ -147,67 +143,5 @@ class LARC(keras.optimizers.Optimizer):
         )
         return tf.cast(new_gradient, variable.dtype)
 
-    def build(self, var_list):
-        if self.built:
-            return
-        self.inner_optimizer.build(var_list)
-        super().build(var_list)
-
-    def apply(self, grads, trainable_variables=None):
-        if not self.built:
-            if trainable_variables is None:
-                raise ValueError(
-                    "When passing `grads` without `variables`, the optimizer "
-                    "must already be built on a list of variables. "
-                    "Call `optimizer.build(trainable_variables)` first."
-                )
-            with keras.name_scope(self.name, caller=self):
-                self.build(list(trainable_variables))
-        self.inner_optimizer.apply(grads, trainable_variables)
-
-    @property
-    def variables(self):
-        return self.inner_optimizer.variables
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    # The state is the inner optimizer's. Keras' `save_own_variables`,
-    # `load_own_variables` and `get_weights` act on `variables`, so they save
-    # and restore it; `set_weights` is rewritten below because Keras' walks
-    # the optimizer's own (unused) counter instead. Like Keras'
-    # LossScaleOptimizer, a `.keras` file then holds the inner state twice:
-    # under LARC and under its inner optimizer, both restored to the same
-    # values.
-    def set_weights(self, weights):
-        self.inner_optimizer.set_weights(weights)
-
-    def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
-
-    def get_config(self):
-        return {
-            "name": self.name,
-            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            **rule_config(self),
-        }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        optimizer = keras.saving.deserialize_keras_object(
-            config.pop("optimizer"), custom_objects=custom_objects
-        )
-        return cls(optimizer, **config)
+    def rule_config(self):
+        return rule_config(self)

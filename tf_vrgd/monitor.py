@@ -7,11 +7,12 @@ import warnings
 import keras
 import numpy as np
 
-from tf_vrgd import _gsnr, noise_scale, replica_noise, statistics, validation
+from tf_vrgd import _gsnr, noise_scale, noise_scale_optimizer, replica_noise, statistics, validation
 
 
 class GSNRMonitor(keras.callbacks.Callback):
-    """Logs the GSNR statistics of a VR optimizer during `fit`.
+    """Logs the GSNR statistics of a VR optimizer during `fit`, or the
+    gradient noise scale of any optimizer wrapped in `tf_vrgd.NoiseScale`.
 
     The optimizer (constructed with ``track_gsnr_statistics=True``) sums,
     on the device and at every update, each variable's
@@ -36,6 +37,10 @@ class GSNRMonitor(keras.callbacks.Callback):
       The samples of an update are the replicas times the optimizer's
       `gradient_accumulation_steps`; B_small, the examples of one, is
       `batch_size` over the replicas.
+
+    Around a `tf_vrgd.NoiseScale`, only ``noise_scale`` (and per variable)
+    is logged, from the squared norms that wrapper sums (`batch_size` is
+    then required); its samples are the replicas.
 
     List it before `keras.callbacks.TensorBoard` (callbacks see `logs` in list
     order); TensorBoard then writes ``epoch_gsnr_mean`` and the rest.
@@ -81,20 +86,30 @@ class GSNRMonitor(keras.callbacks.Callback):
         self.per_variable = bool(per_variable)
         self._last_sums = None
 
-    def _vr_optimizer(self):
+    def _measured_optimizer(self):
+        """The VR optimizer, else the `NoiseScale`, the model trains with."""
         optimizer = _gsnr.find_vr_optimizer(self.model.optimizer)
+        if optimizer is not None:
+            return optimizer
+        optimizer = noise_scale_optimizer.find_noise_scale(self.model.optimizer)
         if optimizer is None:
             raise ValueError(
                 "GSNRMonitor needs a VR optimizer (tf_vrgd.VRSGD, VRAdam, "
                 "VRLARS, VRLAMB, possibly wrapped in LARC or "
-                "LossScaleOptimizer). Received: "
-                f"{type(self.model.optimizer).__name__}"
+                "LossScaleOptimizer) or an optimizer wrapped in tf_vrgd.NoiseScale. "
+                f"Received: {type(self.model.optimizer).__name__}"
+            )
+        if self.batch_size is None:
+            raise ValueError(
+                "GSNRMonitor logs the noise scale of a tf_vrgd.NoiseScale, which needs "
+                "`batch_size` (the global batch of one fit step)."
             )
         return optimizer
 
     def on_train_begin(self, logs=None):
-        self._optimizer = self._vr_optimizer()
-        if not self._optimizer.track_gsnr_statistics:
+        self._optimizer = self._measured_optimizer()
+        self._gsnr = isinstance(self._optimizer, _gsnr.GSNRMixin)
+        if self._gsnr and not self._optimizer.track_gsnr_statistics:
             raise ValueError(
                 f"GSNRMonitor reads the statistics that "
                 f"{type(self._optimizer).__name__} sums only when constructed "
@@ -102,7 +117,8 @@ class GSNRMonitor(keras.callbacks.Callback):
             )
 
         replicas = self.model.distribute_strategy.num_replicas_in_sync
-        steps = self._optimizer.gradient_accumulation_steps or 1
+        applying = self._optimizer if self._gsnr else self._optimizer.inner_optimizer
+        steps = applying.gradient_accumulation_steps or 1
         # An update's examples and its gradient samples.
         self._update_examples = None if self.batch_size is None else self.batch_size * steps
         self._samples = replicas * steps
@@ -120,7 +136,10 @@ class GSNRMonitor(keras.callbacks.Callback):
             )
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._optimizer.reset_gsnr_statistics()
+        if self._gsnr:
+            self._optimizer.reset_gsnr_statistics()
+        else:
+            self._optimizer.reset_noise_scale_sums()
         self._last_sums = None
 
     def on_train_batch_end(self, batch, logs=None):
@@ -133,7 +152,10 @@ class GSNRMonitor(keras.callbacks.Callback):
             self._log(logs, since_epoch_start=True)
 
     def _log(self, logs, since_epoch_start=False):
-        sums = self._optimizer.gsnr_statistic_sums()
+        if self._gsnr:
+            sums = self._optimizer.gsnr_statistic_sums()
+        else:
+            sums = self._optimizer.noise_scale_sums()
         if sums is None or logs is None:
             return
         since_last = sums if self._last_sums is None else sums - self._last_sums
@@ -142,7 +164,8 @@ class GSNRMonitor(keras.callbacks.Callback):
         span = sums if since_epoch_start else since_last
         if not since_epoch_start and not (span[:, -1] > 0).any():
             return  # the update counts: no GSNR update since the last read
-        logs.update(self.statistics_logs(span))
+        if self._gsnr:
+            logs.update(self.statistics_logs(span))
         if self._update_examples is not None:
             measured = measured or (since_epoch_start and (span[:, -1] > 0).any())
             logs.update(self._noise_scale_logs(measured))
@@ -155,9 +178,11 @@ class GSNRMonitor(keras.callbacks.Callback):
             return False
         if not (span[:, -1] > 0).all():
             return False
-        trace, squared_norm = noise_scale.estimates(
-            *statistics.noise_terms(span), self._update_examples, self._samples
-        )
+        if self._gsnr:
+            terms = statistics.noise_terms(span)
+        else:  # NoiseScale's columns: the two norms, then the updates
+            terms = (span[:, 0] / span[:, 2], span[:, 1] / span[:, 2])
+        trace, squared_norm = noise_scale.estimates(*terms, self._update_examples, self._samples)
         model_wide, per_variable = self._noise_scales
         model_wide.update(trace.sum(), squared_norm.sum())
         per_variable.update(trace, squared_norm)

@@ -6,19 +6,9 @@ LARC) against its base, timed side by side (`timing`) on the models of
   gradients (no forward or backward pass), and
 - the full training step: forward, backward and update on a fixed batch.
 
-Bytes per parameter moved by each update rule (fp32, one pass per tensor
-read or written; what a fused kernel could reach at best):
-
-    SGD + momentum   reads g, w, m; writes w, m                      20 B
-    Adam / Lamb      reads g, w, m, v; writes w, m, v                28 B
-    LARS             reads g, w, v; writes w, v (+ 2 norm passes)    20 B
-    VR adds          reads the square sum (4 B) and, with beta_3 > 0,
-                     reads and writes the GSNR momentum (8 B)        +4 or +12 B
-
-With gradient accumulation, each micro-step adds to the running sums:
-
-    Keras            reads g and its accumulator; writes it          12 B
-    VR               reads g and both sums; writes both sums         20 B
+Bytes per parameter moved by each update rule on each device (float32,
+one pass per tensor read or written: what a fused kernel could reach at
+best; `update_bytes`, the table of docs/algorithms.md §6).
 """
 
 from collections.abc import Sequence
@@ -47,16 +37,44 @@ from tf_vrgd.experiments.timing import (
     memory_bandwidth,
 )
 
+# The base rule on gbar: SGD + momentum reads g, w, m and writes w, m;
+# Adam and Lamb read g, w, m, v and write w, m, v; LARS reads g, w, v and
+# writes w, v (its two norms are reductions over w and g, counted apart
+# by no rule here).
 UPDATE_BYTES_PER_PARAMETER = {
     "SGD": 20,
     "Adam": 28,
     "Lamb": 28,
     "LARS": 20,
 }
-# Extra bytes of the VR twin: the second sum, and the GSNR momentum if any.
-VR_EXTRA_BYTES = {"sum of squares": 4, "gsnr momentum": 8}
-# Bytes per parameter of one accumulation micro-step.
+# Bytes per parameter of one accumulation micro-step: Keras reads g and its
+# accumulator and writes it; a VR optimizer does so for both sums.
 ACCUMULATION_BYTES = {"base": 12, "vr": 20}
+# The pairs whose twin wraps its base (no VR twin: no interval, no XLA).
+WRAPPER_PAIRS = ("LARC", "NoiseScale")
+
+
+def update_bytes(base_rule, vr=False, beta_3=0.0, gsnr_interval=1, accumulation_steps=0):
+    """Bytes per parameter of one update (averaged over `gsnr_interval`
+    updates), `accumulation_steps` micro-steps before it included.
+
+    A VR optimizer adds, at a GSNR update: a first pass over the sums of
+    gradients and of squares for the layer mean (8 B; no element can be
+    scaled before it), the squares again in the update pass (4 B), and
+    the GSNR momentum read and written (8 B, beta_3 > 0) or the last
+    scale written (4 B, beta_3 = 0 and N > 1); between GSNR updates,
+    the momentum or the last scale read (4 B).
+    """
+    total = UPDATE_BYTES_PER_PARAMETER[base_rule]
+    if not vr:
+        return total + accumulation_steps * ACCUMULATION_BYTES["base"]
+    n = gsnr_interval
+    at_gsnr_update = 8 + 4 + (8 if beta_3 > 0 else 4 if n > 1 else 0)
+    between = 4 if beta_3 > 0 or n > 1 else 0
+    total += (at_gsnr_update + (n - 1) * between) / n
+    # Squares are summed at the micro-steps of GSNR updates only.
+    micro = ACCUMULATION_BYTES["base"] + (ACCUMULATION_BYTES["vr"] - ACCUMULATION_BYTES["base"]) / n
+    return total + accumulation_steps * micro
 
 
 def pairs(tf_vrgd=None):
@@ -88,6 +106,13 @@ def pairs(tf_vrgd=None):
             lambda **k: tf_vrgd.LARC(keras.optimizers.SGD(0.01, momentum=0.9, **k)),
             "SGD",
         ),
+        # Keras' Adam (with the package's accumulation, which runs under
+        # MirroredStrategy) measured by the noise-scale wrapper.
+        "NoiseScale": (
+            lambda **k: tf_vrgd.Adam(1e-3, **k),
+            lambda **k: tf_vrgd.NoiseScale(tf_vrgd.Adam(1e-3, **k)),
+            "Adam",
+        ),
     }
 
 
@@ -99,17 +124,25 @@ def own_bases():
     return {"LAMB": lambda **k: tf_vrgd.LAMB(1e-3, **k)}
 
 
-def _update_bytes(pair_name, optimizer, accumulation_steps=0):
-    """Bytes per parameter of one update of the base and of its twin
-    (VR optimizer or LARC), with `accumulation_steps` micro-steps before it."""
-    base = vr = UPDATE_BYTES_PER_PARAMETER[pairs()[pair_name][2]]
-    base += accumulation_steps * ACCUMULATION_BYTES["base"]
-    if pair_name == "LARC":  # LARC adds no state; Keras accumulates for it
-        return base, vr + accumulation_steps * ACCUMULATION_BYTES["base"]
-    vr += VR_EXTRA_BYTES["sum of squares"] + accumulation_steps * ACCUMULATION_BYTES["vr"]
-    if getattr(optimizer, "beta_3", 0) > 0:
-        vr += VR_EXTRA_BYTES["gsnr momentum"]
-    return base, vr
+def _candidate_bytes(pair_name, optimizer, accumulation_steps=0):
+    """`update_bytes` of one timed optimizer of a pair: its base, this
+    package's own base, or its twin (VR optimizer or LARC, which adds no
+    state; Keras accumulates for it)."""
+    base_rule = pairs()[pair_name][2]
+    vr = hasattr(optimizer, "gsnr_interval")
+    if pair_name == "NoiseScale" and hasattr(optimizer, "interval"):
+        # The wrapper reads the gradient for its squared norm before the
+        # collective and the reduced one after it, at measured updates.
+        return update_bytes(base_rule, accumulation_steps=accumulation_steps) + 8 / (
+            optimizer.interval
+        )
+    return update_bytes(
+        base_rule,
+        vr=vr,
+        beta_3=getattr(optimizer, "beta_3", 0.0),
+        gsnr_interval=getattr(optimizer, "gsnr_interval", 1),
+        accumulation_steps=accumulation_steps,
+    )
 
 
 @dataclasses.dataclass
@@ -180,8 +213,9 @@ def measure(settings, gpus=(), report=print):
     over the copy bandwidth). Each row is passed to `report` as soon as it
     is measured; `format_row` makes a line of it.
     """
-    bandwidth = memory_bandwidth()
-    report(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    bandwidth = memory_bandwidth("/gpu:0" if gpus else None)
+    where = "GPU 0" if gpus else "host"
+    report(f"memory copy bandwidth ({where}): {bandwidth / 1e9:.1f} GB/s (read + write)")
     chosen = {k: v for k, v in pairs().items() if not settings.pairs or k in settings.pairs}
     rng = np.random.default_rng(0)
     rows = []
@@ -233,7 +267,7 @@ def measure(settings, gpus=(), report=print):
                 own_base = own_bases().get(pair_name) if settings.own_base else None
                 if own_base is not None:
                     factories["own base"] = functools.partial(own_base, **extra)
-                if pair_name != "LARC":
+                if pair_name not in WRAPPER_PAIRS:
                     if settings.no_xla:
                         factories["vr no-xla"] = functools.partial(
                             make_vr, jit_update=False, **extra
@@ -277,7 +311,7 @@ def measure(settings, gpus=(), report=print):
                     Candidate(name, factory, make_model, strategy, batch)
                     for name, factory in factories.items()
                 ]
-                cycle = max(settings.gsnr_intervals) if pair_name != "LARC" else 1
+                cycle = max(settings.gsnr_intervals) if pair_name not in WRAPPER_PAIRS else 1
                 updates = math.ceil(settings.steps / cycle) * cycle
                 for kind in steady:
                     seconds = compare(
@@ -296,14 +330,19 @@ def measure(settings, gpus=(), report=print):
                             for name, candidate in zip(factories, candidates)
                         }
                     if kind == "update":
-                        base_bytes, vr_bytes = _update_bytes(
-                            pair_name,
-                            candidates[1].optimizer,
-                            settings.accumulation if extra else 0,
-                        )
+                        # Achieved bytes/s over the copy bandwidth, for every
+                        # candidate (the bytes of `update_bytes`).
+                        rows[-1]["bytes_per_parameter"] = {
+                            name: _candidate_bytes(
+                                pair_name,
+                                candidate.optimizer,
+                                settings.accumulation if extra else 0,
+                            )
+                            for name, candidate in zip(factories, candidates)
+                        }
                         rows[-1]["traffic"] = {
-                            "base": copies * base_bytes * params / seconds["base"] / bandwidth,
-                            "vr": copies * vr_bytes * params / seconds["vr"] / bandwidth,
+                            name: copies * moved * params / seconds[name] / bandwidth
+                            for name, moved in rows[-1]["bytes_per_parameter"].items()
                         }
                     report(rows[-1])
                 del candidates
@@ -349,9 +388,10 @@ def format_row(row):
     if "vr statistics" in seconds:
         line += f"  statistics on/off {seconds['vr statistics'] / seconds['vr']:5.2f}"
     if "traffic" in row:
-        line += (
-            f"  traffic/bandwidth base {row['traffic']['base']:5.1%}"
-            f" twin {row['traffic']['vr']:5.1%}"
+        moved = row["bytes_per_parameter"]
+        line += "  traffic/bandwidth (B/param) " + ", ".join(
+            f"{'twin' if name == 'vr' else name} {fraction:.1%} ({moved[name]:g})"
+            for name, fraction in row["traffic"].items()
         )
     return line
 

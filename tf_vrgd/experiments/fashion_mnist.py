@@ -181,7 +181,7 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
     import numpy as np
 
     import tf_vrgd
-    from tf_vrgd import config, find_vr_optimizer
+    from tf_vrgd import config, find_vr_optimizer, noise_scale_optimizer
     from tf_vrgd.experiments import data, models
 
     os.makedirs(run_dir, exist_ok=True)
@@ -251,6 +251,9 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
         vr_optimizer.track_gsnr_statistics = True
         # Model-wide figures (and the gradient noise scale) in the progress
         # bar; per layer in the records.
+        callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.batch_size))
+    elif noise_scale_optimizer.find_noise_scale(model.optimizer) is not None:
+        # The noise scale of another optimizer, in a `noise_scale` block.
         callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.batch_size))
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
     model.fit(

@@ -301,7 +301,7 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     import keras
 
     import tf_vrgd
-    from tf_vrgd import config, find_vr_optimizer
+    from tf_vrgd import config, find_vr_optimizer, noise_scale_optimizer
 
     write_dir = scratch or run_dir
     os.makedirs(write_dir, exist_ok=True)
@@ -337,7 +337,8 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     if done:
         print(f"[{name}] resuming after interval {done} from {checkpoints[done]}", flush=True)
     monitor = []
-    if vr_optimizer is not None:
+    measured = noise_scale_optimizer.find_noise_scale(model.optimizer) is not None
+    if vr_optimizer is not None or measured:
         # A Keras step's examples: the monitor counts the accumulation.
         monitor = [tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.step_batch)]
     if done < experiment.intervals:

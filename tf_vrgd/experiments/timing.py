@@ -2,6 +2,7 @@
 every candidate in turn, and medians summarise, so that ratios between
 candidates are measured under the same machine noise."""
 
+import functools
 import gc
 import statistics
 import time
@@ -11,17 +12,33 @@ import numpy as np
 import tensorflow as tf
 
 
-def memory_bandwidth(megabytes=256, repeats=5):
+def memory_bandwidth(device=None, megabytes=256, repeats=5):
     """Bytes/s of a large array copy (bytes read plus bytes written), the
-    best of `repeats`."""
-    source = np.ones(megabytes * 2**20 // 8, np.float64)
-    target = np.empty_like(source)
+    best of `repeats`: on the host (numpy) when `device` is None, else one
+    float32 variable assigned to another on that device (a GPU: the
+    memory its updates run from)."""
+    if device is None:
+        source = np.ones(megabytes * 2**20 // 8, np.float64)
+        target = np.empty_like(source)
+        copy, nbytes = functools.partial(np.copyto, target, source), source.nbytes
+    else:
+        with tf.device(device):
+            source = tf.Variable(tf.ones([megabytes * 2**20 // 4]))
+            target = tf.Variable(tf.zeros_like(source))
+
+        @tf.function
+        def assign():
+            target.assign(source.read_value())
+            return target[0]
+
+        assign()  # traced and run once before timing
+        copy, nbytes = lambda: assign().numpy(), megabytes * 2**20
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        np.copyto(target, source)
+        copy()
         best = min(best, time.perf_counter() - start)
-    return 2 * source.nbytes / best
+    return 2 * nbytes / best
 
 
 class Candidate:
