@@ -47,7 +47,10 @@ def parse_args(argv=None):
         choices=["mirrored", "accumulation"],
     )
     parser.add_argument(
-        "--pairs", nargs="+", default=None, help="subset of: Momentum Adam LAMB LARS LARC NoiseScale"
+        "--pairs",
+        nargs="+",
+        default=None,
+        help="subset of: Momentum Adam LAMB LARS LARC NoiseScale",
     )
     parser.add_argument(
         "--kinds",

@@ -135,14 +135,11 @@ def experiment_for(run, args):
     # accumulating it (the CNN has no batch statistics), and Keras'
     # accumulation does not run under MirroredStrategy (a collective inside
     # its tf.cond).
-    return grids.experiment(
+    return grids.experiment_of_run(
         CONFIGS,
-        name,
-        run["batch"],
-        epochs=args.epochs,
-        seed=run["seed"],
-        replicas=args.replicas,
-        lr_multiplier=run["lr_multiplier"],
+        run,
+        args,
+        name=name,
         width=args.width,
         accumulation=accumulation if name.startswith("vr_") else 1,
         optimizer_fields=fields,

@@ -53,6 +53,12 @@ def parse_args(argv=None):
     parser.add_argument(
         "--report", action="store_true", help="print the table of results.jsonl and exit"
     )
+    parser.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="wrap each base optimizer in tf_vrgd.NoiseScale (the same updates), so that every "
+        "run logs B_simple per epoch (the twins log it anyway); the report adds a table of it",
+    )
     return parser.parse_args(argv)
 
 
@@ -63,15 +69,7 @@ def _key(run):
 def experiment_for(run, args):
     from tf_vrgd.experiments import grids
 
-    return grids.experiment(
-        CONFIGS,
-        run["optimizer"],
-        run["batch"],
-        epochs=args.epochs,
-        seed=run["seed"],
-        replicas=args.replicas,
-        lr_multiplier=run["lr_multiplier"],
-    )
+    return grids.experiment_of_run(CONFIGS, run, args, noise_scale=args.noise_scale)
 
 
 def grid(args):
@@ -145,7 +143,33 @@ def report(results):
                     f"{row['seeds']})".rjust(24)
                 )
             lines.append(f"{name:<12}" + "".join(cells))
-    return "\n".join(lines)
+    return "\n".join(lines + _noise_scale_lines(table, batches))
+
+
+def _noise_scale_lines(table, batches):
+    """B_simple (examples) after the first and the last epoch of each best
+    run that logged it, per optimizer and batch."""
+    lines = []
+    for name in [n for base in OPTIMIZERS for n in (base, f"vr_{base}")]:
+        cells = []
+        for b in batches:
+            per_epoch = (table.get((name, b)) or {}).get("noise_scale_per_epoch")
+            cells.append(
+                f"{per_epoch[0]:>8.0f} -> {per_epoch[-1]:<8.0f}" if per_epoch else f"{'-':>20}"
+            )
+        if any(c.strip() != "-" for c in cells):
+            lines.append(f"{name:<12}" + "".join(f"{c:>24}" for c in cells))
+    if not lines:
+        return []
+    header = f"{'optimizer':<12}" + "".join(f"{b:>24}" for b in batches)
+    return [
+        "",
+        "gradient noise scale B_simple, examples: after the first epoch -> after the last",
+        "",
+        header,
+        "-" * len(header),
+        *lines,
+    ]
 
 
 def main(argv=None):

@@ -2,6 +2,7 @@
 table and resumable results, the linear regression's steps-to-target, and a
 minute-sized run of the step-cost benchmark."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -51,6 +52,12 @@ def test_sweep_reports_the_best_rate_and_its_seeds(tmp_path):
     assert best[("lamb", 8192)]["mean_best_test_accuracy"] == pytest.approx(0.85)
     table = sweep.report(results)
     assert "85.00±1.0" in table and "(x1;-0.2;1)" in table
+    assert "noise scale" not in table
+    # Runs that logged B_simple add its table: first -> last epoch.
+    results[sweep._key(rows[1])]["noise_scale_per_epoch"] = [120.4, 300.0, 2048.6]
+    table = sweep.report(results)
+    assert "gradient noise scale B_simple" in table
+    assert "120 -> 2049" in table.splitlines()[-1] and table.splitlines()[-1].startswith("lamb")
 
     args = sweep.parse_args(
         ["--batches", "256", "8192", "--optimizers", "adam", "--lr-multipliers", "1", "2"]
@@ -58,6 +65,17 @@ def test_sweep_reports_the_best_rate_and_its_seeds(tmp_path):
     grid = sweep.grid(args)
     assert len(grid) == 2 * 2 * 2  # batches x {adam, vr_adam} x rates
     assert {sweep._key(r) for r in grid} >= {"vr_adam_b8192_lr2_s0", "adam_b256_lr1_s0"}
+    # --noise-scale wraps the base's block, not the twin's.
+    args = sweep.parse_args(["--noise-scale", "--replicas", "4"])
+    blocks = {
+        name: sweep.experiment_for(
+            {"optimizer": name, "batch": 1024, "lr_multiplier": 1.0, "seed": 0}, args
+        ).cfg["trainer"]["optimizer_config"]["optimizer"]
+        for name in ("adam", "vr_adam")
+    }
+    assert blocks["adam"]["type"] == "noise_scale"
+    assert blocks["adam"]["noise_scale"]["optimizer"]["type"] == "adam"
+    assert blocks["vr_adam"]["type"] == "vr_adam"
 
 
 def _study_row(optimizer, batch, multiplier, seed, accuracy, k=8, scale=None, **extra):
@@ -418,18 +436,13 @@ def test_grid_experiment_is_derived_from_the_config():
     assert cosine["decay_steps"] == 30 * (60000 // 4096)
     assert (adam.batch_size, adam.seed, adam.replicas) == (4096, 1, 4)
     # VR-Adam with k = 4 x 2: updates of 2 steps of 2048, 29 steps an
-    # epoch; the rate stays batch 4096's, times the multiplier.
-    twin = grids.experiment(
-        folder,
-        "vr_adam",
-        4096,
-        epochs=30,
-        seed=0,
-        replicas=4,
-        lr_multiplier=0.5,
-        width=8,
-        accumulation=2,
-        optimizer_fields={"gsnr_interval": 4},
+    # epoch; the rate stays batch 4096's, times the multiplier. (A grid
+    # run's fields and a script's arguments, as the scripts give them.)
+    run = {"optimizer": "vr_adam", "batch": 4096, "seed": 0, "lr_multiplier": 0.5}
+    script_args = argparse.Namespace(epochs=30, replicas=4)
+    fields = {"gsnr_interval": 4}
+    twin = grids.experiment_of_run(
+        folder, run, script_args, width=8, accumulation=2, optimizer_fields=fields
     )
     cosine = twin.block["learning_rate"]["cosine"]
     assert cosine["initial_learning_rate"] == pytest.approx(0.004)

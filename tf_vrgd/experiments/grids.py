@@ -95,13 +95,16 @@ def experiment(
     width=None,
     accumulation=1,
     optimizer_fields=None,
+    noise_scale=False,
 ):
     """The `fashion_mnist.Experiment` of one grid run: the config of
     `optimizer` at `batch`, with the CNN's `width` if given, its optimizer's
     `optimizer_fields` added, and with `accumulation` > 1 an update of
     `accumulation` steps of batch / accumulation (the schedule counts
     updates, so it and the rate stay the config's); then trained for
-    `epochs` with `seed`, every rate times `lr_multiplier`."""
+    `epochs` with `seed`, every rate times `lr_multiplier`. With
+    `noise_scale`, an optimizer outside the VR family is wrapped in a
+    `noise_scale` block (the same updates, and the noise scale logged)."""
     from tf_vrgd import config
     from tf_vrgd.experiments import fashion_mnist
 
@@ -119,8 +122,30 @@ def experiment(
         block = cfg["trainer"]["optimizer_config"]["optimizer"]
         kind = block["type"]  # vr_momentum's type is vr_sgd
         block[kind] = {**(block.get(kind) or {}), **fields}
+    optimization = cfg["trainer"]["optimizer_config"]
+    if noise_scale and not optimization["optimizer"]["type"].startswith("vr_"):
+        optimization["optimizer"] = {
+            "type": "noise_scale",
+            "noise_scale": {"optimizer": optimization["optimizer"]},
+        }
     return fashion_mnist.Experiment(
         cfg, epochs=epochs, seed=seed, replicas=replicas, lr_multiplier=lr_multiplier
+    )
+
+
+def experiment_of_run(folder, run, args, name=None, **options):
+    """`experiment` of one grid `run` (its optimizer, or `name`, its batch,
+    seed and rate multiplier) with a script's `args` (its epochs and
+    replicas); `options` are `experiment`'s other keywords."""
+    return experiment(
+        folder,
+        name or run["optimizer"],
+        run["batch"],
+        epochs=args.epochs,
+        seed=run["seed"],
+        replicas=args.replicas,
+        lr_multiplier=run["lr_multiplier"],
+        **options,
     )
 
 
@@ -142,6 +167,8 @@ def result_row(run, records):
         "seconds": sum(r["seconds"] for r in records),
     }
     row.update(scale_means(records))
+    if any("noise_scale" in r for r in records):
+        row["noise_scale_per_epoch"] = [r.get("noise_scale", math.nan) for r in records]
     return row
 
 
