@@ -16,10 +16,12 @@ in OUT/<step>.log.
    `strategy` fixture's four replicas on four logical GPUs carved from GPU
    0 (all-reduced through one device, as NCCL does not run between them),
    then on the first four physical GPUs when there are four or more.
-3. step cost: scripts/bench_step.py, the training step of the Adam and LAMB
-   pairs at gsnr_interval N = 1 and 16 on ResNet-50 at 224x224 and the
-   encoder, 64 examples per replica, mirrored over the GPUs (over two
-   logical GPUs of GPU 0 where there is one).
+3. step cost: scripts/bench_step.py, the update (with its traffic as a
+   fraction of the GPU's copy bandwidth) and the training step of the Adam
+   and LAMB pairs (and the package's own LAMB) at gsnr_interval N = 1 and
+   16 on ResNet-50 at 224x224 and the encoder, 64 examples per replica,
+   mirrored over the GPUs (over two logical GPUs of GPU 0 where there is
+   one).
 4. paper tasks: vrgd-train --synthetic --compare on BERT-large phase 1 and
    ResNet-50 (ImageNet shapes) at their model sizes, 30 updates in 3
    intervals: examples per second of the twin and its base (the intervals
@@ -168,7 +170,8 @@ def tests(args, gpus, timeout):
 def bench(args, gpus, timeout):
     rows_file = os.path.join(args.output, "bench_step.json")
     command = [sys.executable, os.path.join(ROOT, "scripts", "bench_step.py")]
-    command += ["--setups", "mirrored", "--pairs", "Adam", "LAMB", "--kinds", "train step"]
+    command += ["--setups", "mirrored", "--pairs", "Adam", "LAMB", "--own-base"]
+    command += ["--kinds", "update", "train step"]
     command += ["--gsnr-intervals", "1", "16", "--no-no-xla", "--json", rows_file]
     if args.dry_run:  # a small MLP in place of the real shapes
         command += ["--models", "mlp", "--mlp-parameters", "20000", "--batch", "8"]
@@ -190,8 +193,15 @@ def bench(args, gpus, timeout):
                 {
                     "model": row["model"],
                     "pair": row["pair"],
+                    "kind": row["kind"],
                     "replicas": row["replicas"],
                     "base_ms": round(seconds_of["base"] * 1e3, 2),
+                    # The update's achieved traffic over the GPU's copy
+                    # bandwidth, per candidate (docs/algorithms.md §6).
+                    **{
+                        f"{name.replace(' ', '_')}_of_bandwidth": round(value, 4)
+                        for name, value in row.get("traffic", {}).items()
+                    },
                     **{
                         f"{name.replace(' ', '_')}_over_base": round(value / seconds_of["base"], 3)
                         for name, value in seconds_of.items()

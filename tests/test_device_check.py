@@ -30,9 +30,17 @@ def test_device_check_dry_run_writes_every_step(tmp_path):
     assert tests["passed"] >= 2 and "failed" not in tests
     rows = report["bench"]["rows"]
     assert report["bench"]["exit_code"] == 0
-    assert sorted(row["pair"] for row in rows) == ["Adam", "LAMB"]
+    assert sorted((row["pair"], row["kind"]) for row in rows) == [
+        (pair, kind) for pair in ("Adam", "LAMB") for kind in ("train step", "update")
+    ]
     for row in rows:
         assert row["base_ms"] > 0 and row["vr_over_base"] > 0 and row["vr_N=16_over_base"] > 0
+        # The update's traffic against the copy bandwidth, per candidate.
+        traffic = [v for k, v in row.items() if k.endswith("_of_bandwidth")]
+        assert (len(traffic) >= 3 and all(v > 0 for v in traffic)) == (row["kind"] == "update")
+    assert "own_base_of_bandwidth" in next(
+        r for r in rows if r["pair"] == "LAMB" and r["kind"] == "update"
+    )
     assert [task["config"] for task in report["tasks"]] == [
         "bert_large_vr_lamb_32k_phase1.yaml",
         "imagenet_resnet50_vr_lars_32k.yaml",

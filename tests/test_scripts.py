@@ -527,3 +527,27 @@ def test_bench_versions_imports_a_commit_beside_this_checkout(tmp_path):
     assert len(sizes) == 214 and max(sizes) == 256 and sum(sizes) == 106 * 272 + 170
     x, y = bench_models.make_batch("thin_mlp", 8, np.random.default_rng(0))
     assert x.shape == (8, 16) and y.shape == (8,)
+
+
+def test_bench_step_times_the_noise_scale_wrapper_at_each_interval():
+    from tf_vrgd.experiments import benchmark
+
+    settings = benchmark.Settings(
+        setups=["accumulation"],
+        models=["mlp"],
+        mlp_parameters=20_000,
+        pairs=["NoiseScale"],
+        kinds=["update"],
+        steps=1,
+        repeats=1,
+        batch=8,
+        gsnr_intervals=[1, 4],
+    )
+    (row,) = benchmark.measure(settings, report=lambda row: None)
+    assert set(row["seconds"]) == {"base", "vr", "vr N=4"}
+    assert all(seconds > 0 for seconds in row["seconds"].values())
+    # Adam's 28 B and 12 B a micro-step; the wrapper reads the gradient
+    # twice more (its squared norm, the reduced one's) at measured updates.
+    a = settings.accumulation
+    moved = row["bytes_per_parameter"]
+    assert (moved["base"], moved["vr"], moved["vr N=4"]) == (28 + 12 * a, 36 + 12 * a, 30 + 12 * a)

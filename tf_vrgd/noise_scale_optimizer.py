@@ -29,8 +29,8 @@ class NoiseScale(InnerOptimizerWrapper):
     batch). Every `interval`-th update, each replica adds the squared norm
     of its own gradient, one number per variable, to the all-reduce of the
     gradients that the inner optimizer runs anyway (the same collective
-    call); after it, each device takes the squared norm of the reduced
-    gradient. Per variable and update that gives
+    call); after it, the first replica of each machine takes the squared
+    norm of the reduced gradient. Per variable and update that gives
 
         |G_big|^2 = |mean of the samples|^2,
         |G_small|^2 = mean over the samples of |sample|^2,
@@ -189,7 +189,15 @@ class NoiseScale(InnerOptimizerWrapper):
                 tf.scatter_nd([[r] for r in rows], row, self._sums.value.shape)
             )
 
-        tf.cond(measuring, record, lambda: None)
+        # The sums are read from the first replica of each machine (on-read,
+        # first replica): the others skip the squared norms of the reduced
+        # gradients, which would be the same.
+        strategy = tf.distribute.get_strategy()
+        local_replicas = len(strategy.extended.worker_devices)
+        first_here = tf.equal(
+            tf.math.floormod(replica_context.replica_id_in_sync_group, local_replicas), 0
+        )
+        tf.cond(tf.logical_and(measuring, first_here), record, lambda: None)
         out = list(grads_and_vars)
         for (i, _, v), g in zip(present, reduced):
             out[i] = (g, v)

@@ -110,7 +110,7 @@ def pairs(tf_vrgd=None):
         # MirroredStrategy) measured by the noise-scale wrapper.
         "NoiseScale": (
             lambda **k: tf_vrgd.Adam(1e-3, **k),
-            lambda **k: tf_vrgd.NoiseScale(tf_vrgd.Adam(1e-3, **k)),
+            lambda interval=1, **k: tf_vrgd.NoiseScale(tf_vrgd.Adam(1e-3, **k), interval=interval),
             "Adam",
         ),
     }
@@ -285,6 +285,12 @@ def measure(settings, gpus=(), report=print):
                         factories["vr statistics"] = functools.partial(
                             make_vr, track_gsnr_statistics=True, **extra
                         )
+                elif pair_name == "NoiseScale":  # its `interval`, for each N listed
+                    for interval in settings.gsnr_intervals:
+                        if interval > 1:
+                            factories[f"vr N={interval}"] = functools.partial(
+                                make_vr, interval=interval, **extra
+                            )
                 row = dict(
                     setup=setup,
                     model=model_name,
@@ -311,7 +317,7 @@ def measure(settings, gpus=(), report=print):
                     Candidate(name, factory, make_model, strategy, batch)
                     for name, factory in factories.items()
                 ]
-                cycle = max(settings.gsnr_intervals) if pair_name not in WRAPPER_PAIRS else 1
+                cycle = max(settings.gsnr_intervals) if pair_name != "LARC" else 1
                 updates = math.ceil(settings.steps / cycle) * cycle
                 for kind in steady:
                     seconds = compare(
