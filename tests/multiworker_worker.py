@@ -10,7 +10,10 @@ seeds:
 - VR-Adam with 2 accumulation micro-steps: k = 2 workers x 2 = 4, the
   samples that one process with 4 replicas applies in one update;
 - an embedding table's rows (`test_row_sparse.py`'s stream): VR-Adam
-  without accumulation, VR-SGD with 2 micro-steps.
+  without accumulation, VR-SGD with 2 micro-steps;
+- `tf_vrgd.NoiseScale` around Keras' Adam on the VR-Momentum stream, and
+  around the package's Adam with 2 micro-steps on the VR-Adam samples:
+  their running sums.
 
 Every worker writes the final weights of both runs to its output file.
 """
@@ -22,6 +25,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -78,6 +82,19 @@ def main(output):
         assert int(optimizer.iterations.numpy()) == UPDATES  # updates, not micro-steps
         for i, w in enumerate(weights):
             results[f"{name}_{i}"] = w
+    noise_runs = {
+        "noise_scale": (
+            lambda: tf_vrgd.NoiseScale(keras.optimizers.Adam(0.01)),
+            runs["momentum"][1],
+        ),
+        "noise_scale_accumulation": (
+            lambda: tf_vrgd.NoiseScale(tf_vrgd.Adam(0.01, gradient_accumulation_steps=2)),
+            runs["adam"][1],
+        ),
+    }
+    for name, (make_optimizer, stream) in noise_runs.items():
+        _, _, optimizer = helpers.run_mirrored(strategy, make_optimizer, stream)
+        results[f"{name}_sums"] = optimizer.noise_scale_sums()
     for name, (case, extra, accumulation) in ROW_RUNS.items():
         make = functools.partial(rows.CASES[case].make, **extra)
         _, weights, optimizer = rows.run(strategy, make, row_stream(accumulation))

@@ -105,6 +105,31 @@ def test_two_workers_with_accumulation_match_four_replicas(strategy, worker_resu
         ref.assert_close(got, want, "VR-Adam, 2 workers x 2 micro-steps", rtol=5e-5)
 
 
+@pytest.mark.parametrize(
+    "name, stream, steps",
+    [
+        ("noise_scale", worker.two_worker_stream(), 1),
+        (
+            "noise_scale_accumulation",
+            worker.two_worker_micro_steps(worker.four_replica_stream()),
+            2,
+        ),
+    ],
+)
+def test_two_workers_sum_the_noise_scale_terms_of_the_samples(worker_results, name, stream, steps):
+    """`NoiseScale`'s sums on each worker (what `GSNRMonitor` turns into the
+    logged noise scale): per variable, |mean of the k samples|^2 and the
+    mean of their |sample|^2 over the updates (k = 2 workers, and 2 x 2
+    micro-steps), against numpy."""
+    expected = np.zeros((len(helpers.model_shapes()), 3))
+    for samples in helpers.samples_per_update(stream, steps):
+        for i, s in enumerate(samples):
+            flat = s.reshape(len(s), -1)
+            expected[i] += [np.sum(flat.mean(0) ** 2), np.mean(np.sum(flat**2, 1)), 1.0]
+    for results in worker_results:
+        ref.assert_close(results[f"{name}_sums"], expected, f"{name} sums, 2 workers", rtol=2e-5)
+
+
 @pytest.mark.parametrize("name", worker.ROW_RUNS)
 def test_two_workers_apply_rows_as_the_numpy_reference(worker_results, name):
     case, _, accumulation = worker.ROW_RUNS[name]

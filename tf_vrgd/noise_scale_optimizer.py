@@ -167,7 +167,7 @@ class NoiseScale(InnerOptimizerWrapper):
         measuring = self._is_measured_update()
         local = tf.cond(
             measuring,
-            lambda: tf.stack([_squared_norm(g) for g in gradients]),
+            lambda: _squared_norms(gradients),
             lambda: tf.zeros([len(gradients)]),
         )
         *reduced, local_sum = replica_context.all_reduce(
@@ -179,7 +179,7 @@ class NoiseScale(InnerOptimizerWrapper):
             # scaling): sum_d |g_d|^2 / R = R * sum_d |g_d / R|^2.
             row = tf.stack(
                 [
-                    tf.stack([_squared_norm(g) for g in reduced]),
+                    _squared_norms(reduced),
                     float(replicas) * local_sum,
                     tf.ones([len(reduced)]),
                 ],
@@ -216,7 +216,7 @@ class NoiseScale(InnerOptimizerWrapper):
         norms = self._local_norms.value
 
         def add():
-            norms.assign_add(self._scatter(variables, tf.stack([_squared_norm(g) for g in grads])))
+            norms.assign_add(self._scatter(variables, _squared_norms(grads)))
 
         tf.cond(self._is_measured_update(), add, lambda: None)
         return [norms.read_value()]
@@ -233,7 +233,7 @@ class NoiseScale(InnerOptimizerWrapper):
             return distribution.experimental_local_results(value)[0]
 
         def record():
-            big = self._scatter(variables, tf.stack([_squared_norm(first(m)) for m in means]))
+            big = self._scatter(variables, _squared_norms([first(m) for m in means]))
             small = first(sums[0]) * (replicas / steps)
             counts = self._scatter(variables, tf.ones([len(variables)]))
             self._sums.value.assign_add(tf.stack([big, small, counts], axis=1))
@@ -279,6 +279,26 @@ class _Companion(NamedTuple):
     replica_sums: object
     reduced: object
     reset: object
+
+
+def _squared_norms(gradients):
+    """The squared norm of each gradient, as a vector: the dense ones in one
+    XLA program (one pass each, not a kernel launch per variable), the
+    row-sparse ones apart."""
+    dense = [i for i, g in enumerate(gradients) if not isinstance(g, tf.IndexedSlices)]
+    norms = [None] * len(gradients)
+    if dense:
+        for i, norm in zip(dense, tf.unstack(_dense_squared_norms([gradients[i] for i in dense]))):
+            norms[i] = norm
+    for i, g in enumerate(gradients):
+        if norms[i] is None:
+            norms[i] = _squared_norm(g)
+    return tf.stack(norms)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _dense_squared_norms(gradients):
+    return tf.stack([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in gradients])
 
 
 def _squared_norm(gradient):
