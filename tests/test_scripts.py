@@ -189,25 +189,34 @@ def test_bench_step_measures_every_kind_with_accumulation():
     assert lines[0].startswith("memory copy bandwidth")
 
 
-def test_bench_step_times_each_gsnr_interval_and_the_own_base_rule():
-    import keras
-
-    import tf_vrgd
+def _one_update_at_intervals_1_and_4(pair, **options):
+    """`bench_step`'s update row of `pair` on a small MLP, one device with
+    accumulation, at N = 1 and 4: (its settings, the row)."""
     from tf_vrgd.experiments import benchmark
 
     settings = benchmark.Settings(
         setups=["accumulation"],
         models=["mlp"],
         mlp_parameters=20_000,
-        pairs=["LAMB"],
+        pairs=[pair],
         kinds=["update"],
         steps=1,
         repeats=1,
         batch=8,
         gsnr_intervals=[1, 4],
-        own_base=True,
+        **options,
     )
     (row,) = benchmark.measure(settings, report=lambda row: None)
+    return settings, row
+
+
+def test_bench_step_times_each_gsnr_interval_and_the_own_base_rule():
+    import keras
+
+    import tf_vrgd
+    from tf_vrgd.experiments import benchmark
+
+    settings, row = _one_update_at_intervals_1_and_4("LAMB", own_base=True)
     names = {"base", "own base", "vr", "vr no-xla", "vr N=4", "vr N=4 no-xla"}
     assert set(row["seconds"]) == names
     assert all(seconds > 0 for seconds in row["seconds"].values())
@@ -530,20 +539,8 @@ def test_bench_versions_imports_a_commit_beside_this_checkout(tmp_path):
 
 
 def test_bench_step_times_the_noise_scale_wrapper_at_each_interval():
-    from tf_vrgd.experiments import benchmark
 
-    settings = benchmark.Settings(
-        setups=["accumulation"],
-        models=["mlp"],
-        mlp_parameters=20_000,
-        pairs=["NoiseScale"],
-        kinds=["update"],
-        steps=1,
-        repeats=1,
-        batch=8,
-        gsnr_intervals=[1, 4],
-    )
-    (row,) = benchmark.measure(settings, report=lambda row: None)
+    settings, row = _one_update_at_intervals_1_and_4("NoiseScale")
     assert set(row["seconds"]) == {"base", "vr", "vr N=4"}
     assert all(seconds > 0 for seconds in row["seconds"].values())
     # Adam's 28 B and 12 B a micro-step; the wrapper reads the gradient
