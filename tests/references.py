@@ -330,3 +330,18 @@ def run_lars(weights, stream, lr, decays=None, adapts=None, **hyper):
 def run_larc_sgd(weights, stream, lr, momentum=0.0, nesterov=False, **hyper):
     """The weights after LARC around Keras SGD applies `stream`."""
     return run(weights, larc(sgd(lr, momentum, nesterov), lr, **hyper), stream)
+
+
+def noise_scale_sums(updates, interval=1):
+    """`tf_vrgd.NoiseScale.noise_scale_sums` from the samples of each update
+    (`helpers.samples_per_update`: per variable an array [k, *shape]), the
+    updates 1, N + 1, ... measured: per variable, the sums of |mean of the
+    samples|^2 and of the mean |sample|^2, and the count."""
+    sums = np.zeros((len(updates[0]), 3))
+    for u, samples in enumerate(updates):
+        if u % interval:
+            continue
+        for i, s in enumerate(samples):
+            flat = np.asarray(s, np.float64).reshape(len(s), -1)
+            sums[i] += [np.sum(flat.mean(0) ** 2), np.mean(np.sum(flat**2, 1)), 1.0]
+    return sums

@@ -121,11 +121,7 @@ def test_two_workers_sum_the_noise_scale_terms_of_the_samples(worker_results, na
     logged noise scale): per variable, |mean of the k samples|^2 and the
     mean of their |sample|^2 over the updates (k = 2 workers, and 2 x 2
     micro-steps), against numpy."""
-    expected = np.zeros((len(helpers.model_shapes()), 3))
-    for samples in helpers.samples_per_update(stream, steps):
-        for i, s in enumerate(samples):
-            flat = s.reshape(len(s), -1)
-            expected[i] += [np.sum(flat.mean(0) ** 2), np.mean(np.sum(flat**2, 1)), 1.0]
+    expected = ref.noise_scale_sums(helpers.samples_per_update(stream, steps))
     for results in worker_results:
         ref.assert_close(results[f"{name}_sums"], expected, f"{name} sums, 2 workers", rtol=2e-5)
 

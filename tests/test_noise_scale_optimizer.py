@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
+from tests import references as ref
 import tf_vrgd
 
 SCALES = [1e-2, 1.0, 5e-2, 0.3]
@@ -45,13 +46,7 @@ def test_the_sums_are_the_squared_norms_of_the_measured_updates(strategy, name):
         strategy, lambda: tf_vrgd.NoiseScale(BASES[name](), interval=interval), stream
     )
     # numpy: the k = 4 x steps samples of updates 1, 4 and 7.
-    expected = np.zeros((len(SCALES), 3))
-    for u, samples in enumerate(helpers.samples_per_update(stream, steps)):
-        if u % interval:
-            continue
-        for i, s in enumerate(samples):
-            flat = s.reshape(len(s), -1)
-            expected[i] += [np.sum(flat.mean(0) ** 2), np.mean(np.sum(flat**2, 1)), 1.0]
+    expected = ref.noise_scale_sums(helpers.samples_per_update(stream, steps), interval)
     got = optimizer.noise_scale_sums()
     np.testing.assert_array_equal(got[:, 2], 3.0)
     np.testing.assert_allclose(got, expected, rtol=2e-5)

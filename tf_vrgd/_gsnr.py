@@ -70,6 +70,7 @@ from tf_vrgd._keras_adapters import (
     apply_moving_average,
     build_without_keras_accumulators,
 )
+from tf_vrgd._wrapper import find_inner
 from tf_vrgd.statistics import variable_path
 
 _VR_ARGUMENTS = """\
@@ -416,9 +417,7 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
 
 def find_vr_optimizer(optimizer: keras.optimizers.Optimizer | None) -> GSNRMixin | None:
     """The VR optimizer inside wrappers (LossScaleOptimizer, LARC), or None."""
-    while optimizer is not None and not isinstance(optimizer, GSNRMixin):
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return optimizer
+    return find_inner(optimizer, GSNRMixin)
 
 
 def _rows(variable):

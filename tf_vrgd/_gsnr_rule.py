@@ -63,9 +63,15 @@ def raw_gsnr(gradient_mean: tf.Tensor, second_moment: tf.Tensor, epsilon: Scalar
     is ``max(var, epsilon * s)``; where ``s == 0`` every sample is 0, the
     denominator is 0 and `divide_no_nan` gives the 0 the rule asks for.
     """
-    squared_mean = tf.square(gradient_mean)
-    denominator = tf.maximum(second_moment - squared_mean, epsilon * second_moment)
+    squared_mean, denominator = _gsnr_terms(gradient_mean, second_moment, epsilon)
     return tf.math.divide_no_nan(squared_mean, denominator)
+
+
+def _gsnr_terms(gradient_mean, second_moment, epsilon):
+    """``(gbar^2, max(s - gbar^2, epsilon * s))``: `raw_gsnr`'s numerator
+    and floored denominator."""
+    squared_mean = tf.square(gradient_mean)
+    return squared_mean, tf.maximum(second_moment - squared_mean, epsilon * second_moment)
 
 
 def measured_elements(second_moment: tf.Tensor) -> tf.Tensor:
@@ -95,8 +101,7 @@ def measured_mean_gsnr(
     selects and the count made the dense update 1.3x dearer when they ran
     at every update (docs/RESULTS.md).
     """
-    squared_mean = tf.square(gradient_mean)
-    denominator = tf.maximum(second_moment - squared_mean, epsilon * second_moment)
+    squared_mean, denominator = _gsnr_terms(gradient_mean, second_moment, epsilon)
     total = tf.reduce_sum((squared_mean + (second_moment - second_moment)) / denominator)
 
     def over_every_element():

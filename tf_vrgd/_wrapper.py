@@ -93,3 +93,12 @@ class InnerOptimizerWrapper(keras.optimizers.Optimizer):
             config.pop("optimizer"), custom_objects=custom_objects
         )
         return cls(optimizer, **config)
+
+
+def find_inner(optimizer, cls):
+    """The first optimizer of class `cls` along `optimizer` and the
+    `inner_optimizer`s it wraps (LossScaleOptimizer, LARC, NoiseScale), or
+    None."""
+    while optimizer is not None and not isinstance(optimizer, cls):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return optimizer

@@ -107,9 +107,17 @@ class GSNRMonitor(keras.callbacks.Callback):
         return optimizer
 
     def on_train_begin(self, logs=None):
-        self._optimizer = self._measured_optimizer()
-        self._gsnr = isinstance(self._optimizer, _gsnr.GSNRMixin)
-        if self._gsnr and not self._optimizer.track_gsnr_statistics:
+        optimizer = self._optimizer = self._measured_optimizer()
+        self._gsnr = isinstance(optimizer, _gsnr.GSNRMixin)
+        # The running sums' reader and their noise-scale columns: a VR
+        # optimizer's statistics rows, or NoiseScale's own.
+        if self._gsnr:
+            self._read, self._reset = optimizer.gsnr_statistic_sums, optimizer.reset_gsnr_statistics
+            self._noise_terms = statistics.noise_terms
+        else:
+            self._read, self._reset = optimizer.noise_scale_sums, optimizer.reset_noise_scale_sums
+            self._noise_terms = noise_scale_optimizer.noise_terms
+        if self._gsnr and not optimizer.track_gsnr_statistics:
             raise ValueError(
                 f"GSNRMonitor reads the statistics that "
                 f"{type(self._optimizer).__name__} sums only when constructed "
@@ -136,10 +144,7 @@ class GSNRMonitor(keras.callbacks.Callback):
             )
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._gsnr:
-            self._optimizer.reset_gsnr_statistics()
-        else:
-            self._optimizer.reset_noise_scale_sums()
+        self._reset()
         self._last_sums = None
 
     def on_train_batch_end(self, batch, logs=None):
@@ -152,10 +157,7 @@ class GSNRMonitor(keras.callbacks.Callback):
             self._log(logs, since_epoch_start=True)
 
     def _log(self, logs, since_epoch_start=False):
-        if self._gsnr:
-            sums = self._optimizer.gsnr_statistic_sums()
-        else:
-            sums = self._optimizer.noise_scale_sums()
+        sums = self._read()
         if sums is None or logs is None:
             return
         since_last = sums if self._last_sums is None else sums - self._last_sums
@@ -178,11 +180,9 @@ class GSNRMonitor(keras.callbacks.Callback):
             return False
         if not (span[:, -1] > 0).all():
             return False
-        if self._gsnr:
-            terms = statistics.noise_terms(span)
-        else:  # NoiseScale's columns: the two norms, then the updates
-            terms = (span[:, 0] / span[:, 2], span[:, 1] / span[:, 2])
-        trace, squared_norm = noise_scale.estimates(*terms, self._update_examples, self._samples)
+        trace, squared_norm = noise_scale.estimates(
+            *self._noise_terms(span), self._update_examples, self._samples
+        )
         model_wide, per_variable = self._noise_scales
         model_wide.update(trace.sum(), squared_norm.sum())
         per_variable.update(trace, squared_norm)

@@ -12,7 +12,7 @@ from tf_vrgd import functional, validation
 from tf_vrgd._accumulation import ReplicaAccumulationMixin
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd._keras_adapters import Untracked
-from tf_vrgd._wrapper import InnerOptimizerWrapper
+from tf_vrgd._wrapper import InnerOptimizerWrapper, find_inner
 from tf_vrgd.larc import LARC
 
 # The columns of `NoiseScale.noise_scale_sums`: per variable, the sums over
@@ -123,16 +123,17 @@ class NoiseScale(InnerOptimizerWrapper):
                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 )
             )
-            # Each replica's sum of its micro-steps' squared norms.
-            self._local_norms = Untracked(
-                tf.Variable(
-                    tf.zeros([len(var_list)]),
-                    trainable=False,
-                    name="noise_scale_micro_step_norms",
-                    synchronization=tf.VariableSynchronization.ON_READ,
-                    aggregation=tf.VariableAggregation.SUM,
+            if self.inner_optimizer.gradient_accumulation_steps:
+                # Each replica's sum of its micro-steps' squared norms.
+                self._local_norms = Untracked(
+                    tf.Variable(
+                        tf.zeros([len(var_list)]),
+                        trainable=False,
+                        name="noise_scale_micro_step_norms",
+                        synchronization=tf.VariableSynchronization.ON_READ,
+                        aggregation=tf.VariableAggregation.SUM,
+                    )
                 )
-            )
 
     def _install_reduce_hook(self):
         # Keras' TensorFlow optimizers all-reduce the gradients of an update
@@ -143,11 +144,11 @@ class NoiseScale(InnerOptimizerWrapper):
 
         def all_reduce_sum_gradients(grads_and_vars):
             replica_context = tf.distribute.get_replica_context()
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            if replica_context is None or replicas < 2 or not self.built:
+            strategy = tf.distribute.get_strategy()
+            if replica_context is None or strategy.num_replicas_in_sync < 2 or not self.built:
                 # One sample: nothing to measure.
                 return keras_all_reduce(grads_and_vars)
-            return self._reduce_and_measure(replica_context, replicas, list(grads_and_vars))
+            return self._reduce_and_measure(replica_context, strategy, list(grads_and_vars))
 
         inner._all_reduce_sum_gradients = all_reduce_sum_gradients
         if inner.gradient_accumulation_steps:
@@ -158,17 +159,17 @@ class NoiseScale(InnerOptimizerWrapper):
         # of optimizers, and a cycle would make it recurse.
         inner._wrapped_by_noise_scale = True
 
-    def _reduce_and_measure(self, replica_context, replicas, grads_and_vars):
+    def _reduce_and_measure(self, replica_context, strategy, grads_and_vars):
         present = [(i, g, v) for i, (g, v) in enumerate(grads_and_vars) if g is not None]
         if not present:
             return grads_and_vars
-        rows = [self.inner_optimizer._get_variable_index(v) for _, _, v in present]
         gradients = [g for _, g, _ in present]
+        variables = [v for _, _, v in present]
         measuring = self._is_measured_update()
         local = tf.cond(
             measuring,
-            lambda: _squared_norms(gradients),
-            lambda: tf.zeros([len(gradients)]),
+            lambda: self._scatter(variables, _squared_norms(gradients)),
+            lambda: tf.zeros([len(self.inner_optimizer._trainable_variables)]),
         )
         *reduced, local_sum = replica_context.all_reduce(
             tf.distribute.ReduceOp.SUM, [*gradients, local]
@@ -177,22 +178,12 @@ class NoiseScale(InnerOptimizerWrapper):
         def record():
             # Each replica's gradient is its sample over R (Keras' loss
             # scaling): sum_d |g_d|^2 / R = R * sum_d |g_d / R|^2.
-            row = tf.stack(
-                [
-                    _squared_norms(reduced),
-                    float(replicas) * local_sum,
-                    tf.ones([len(reduced)]),
-                ],
-                axis=1,
-            )
-            self._sums.value.assign_add(
-                tf.scatter_nd([[r] for r in rows], row, self._sums.value.shape)
-            )
+            replicas = strategy.num_replicas_in_sync
+            self._add_to_sums(variables, _squared_norms(reduced), replicas * local_sum)
 
         # The sums are read from the first replica of each machine (on-read,
         # first replica): the others skip the squared norms of the reduced
         # gradients, which would be the same.
-        strategy = tf.distribute.get_strategy()
         local_replicas = len(strategy.extended.worker_devices)
         first_here = tf.equal(
             tf.math.floormod(replica_context.replica_id_in_sync_group, local_replicas), 0
@@ -202,6 +193,15 @@ class NoiseScale(InnerOptimizerWrapper):
         for (i, _, v), g in zip(present, reduced):
             out[i] = (g, v)
         return out
+
+    def _add_to_sums(self, variables, big, small):
+        """Adds one measured update to the running sums: |G_big|^2 of each
+        of `variables` (`big`, in their order), |G_small|^2 of every
+        variable (`small`, in the optimizer's order) and a count."""
+        counts = self._scatter(variables, tf.ones([len(variables)]))
+        self._sums.value.assign_add(
+            tf.stack([self._scatter(variables, big), small, counts], axis=1)
+        )
 
     def _scatter(self, variables, values):
         """`values` (one per variable of `variables`) at their rows of a
@@ -233,10 +233,8 @@ class NoiseScale(InnerOptimizerWrapper):
             return distribution.experimental_local_results(value)[0]
 
         def record():
-            big = self._scatter(variables, _squared_norms([first(m) for m in means]))
-            small = first(sums[0]) * (replicas / steps)
-            counts = self._scatter(variables, tf.ones([len(variables)]))
-            self._sums.value.assign_add(tf.stack([big, small, counts], axis=1))
+            big = _squared_norms([first(m) for m in means])
+            self._add_to_sums(variables, big, first(sums[0]) * (replicas / steps))
 
         tf.cond(self._is_measured_update(), record, lambda: None)
 
@@ -285,15 +283,14 @@ def _squared_norms(gradients):
     """The squared norm of each gradient, as a vector: the dense ones in one
     XLA program (one pass each, not a kernel launch per variable), the
     row-sparse ones apart."""
-    dense = [i for i, g in enumerate(gradients) if not isinstance(g, tf.IndexedSlices)]
-    norms = [None] * len(gradients)
-    if dense:
-        for i, norm in zip(dense, tf.unstack(_dense_squared_norms([gradients[i] for i in dense]))):
-            norms[i] = norm
-    for i, g in enumerate(gradients):
-        if norms[i] is None:
-            norms[i] = _squared_norm(g)
-    return tf.stack(norms)
+    dense = [g for g in gradients if not isinstance(g, tf.IndexedSlices)]
+    dense_norms = iter(tf.unstack(_dense_squared_norms(dense)) if dense else ())
+    return tf.stack(
+        [
+            _row_sparse_squared_norm(g) if isinstance(g, tf.IndexedSlices) else next(dense_norms)
+            for g in gradients
+        ]
+    )
 
 
 @tf.function(jit_compile=True, autograph=False)
@@ -301,16 +298,22 @@ def _dense_squared_norms(gradients):
     return tf.stack([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in gradients])
 
 
-def _squared_norm(gradient):
-    """|g|^2 in float32; a row-sparse gradient's with its repeated rows
-    summed first (the gradient it means)."""
-    if isinstance(gradient, tf.IndexedSlices):
-        gradient = functional.sum_duplicate_rows(gradient).values
-    return tf.reduce_sum(tf.square(tf.cast(gradient, tf.float32)))
+def _row_sparse_squared_norm(gradient):
+    """|g|^2 in float32 of a row-sparse gradient, its repeated rows summed
+    first (the gradient it means)."""
+    values = functional.sum_duplicate_rows(gradient).values
+    return tf.reduce_sum(tf.square(tf.cast(values, tf.float32)))
 
 
 def find_noise_scale(optimizer: keras.optimizers.Optimizer | None) -> NoiseScale | None:
     """The `NoiseScale` inside wrappers (LossScaleOptimizer), or None."""
-    while optimizer is not None and not isinstance(optimizer, NoiseScale):
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return optimizer
+    return find_inner(optimizer, NoiseScale)
+
+
+def noise_terms(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(|G_big|^2, |G_small|^2)`` per variable, averaged over the updates
+    of `NoiseScale.noise_scale_sums` (NaN for a variable without one): the
+    inputs of `tf_vrgd.noise_scale.estimates`."""
+    sums = np.asarray(sums, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return sums[:, 0] / sums[:, 2], sums[:, 1] / sums[:, 2]

@@ -129,7 +129,6 @@ def _candidate_bytes(pair_name, optimizer, accumulation_steps=0):
     package's own base, or its twin (VR optimizer or LARC, which adds no
     state; Keras accumulates for it)."""
     base_rule = pairs()[pair_name][2]
-    vr = hasattr(optimizer, "gsnr_interval")
     if pair_name == "NoiseScale" and hasattr(optimizer, "interval"):
         # The wrapper reads the gradient for its squared norm before the
         # collective and the reduced one after it, at measured updates.
@@ -138,7 +137,7 @@ def _candidate_bytes(pair_name, optimizer, accumulation_steps=0):
         )
     return update_bytes(
         base_rule,
-        vr=vr,
+        vr=hasattr(optimizer, "gsnr_interval"),
         beta_3=getattr(optimizer, "beta_3", 0.0),
         gsnr_interval=getattr(optimizer, "gsnr_interval", 1),
         accumulation_steps=accumulation_steps,

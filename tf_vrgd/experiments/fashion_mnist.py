@@ -249,11 +249,13 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
         # Read at build, which comes with the first update (a resumed model's
         # saved config has it already).
         vr_optimizer.track_gsnr_statistics = True
-        # Model-wide figures (and the gradient noise scale) in the progress
-        # bar; per layer in the records.
-        callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.batch_size))
-    elif noise_scale_optimizer.find_noise_scale(model.optimizer) is not None:
-        # The noise scale of another optimizer, in a `noise_scale` block.
+    if (
+        vr_optimizer is not None
+        or noise_scale_optimizer.find_noise_scale(model.optimizer) is not None
+    ):
+        # Model-wide figures (and the gradient noise scale; of another
+        # optimizer, in a `noise_scale` block) in the progress bar; per
+        # layer in the records.
         callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.batch_size))
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
     model.fit(
