@@ -48,33 +48,41 @@ NUM_DENSE = 13
 NUM_TABLES = 26
 
 
+# The study's settings: each is a flag (`--test-examples`), is written into
+# every result row, and a row in OUTPUT/results.jsonl counts as done only
+# under the same settings, all of them.
+SETTINGS = (
+    ("rows", int, 5_000, "rows of each table"),
+    ("embedding_dim", int, 16, "width of each table"),
+    ("examples", int, 1_000_000, "training examples"),
+    ("test_examples", int, 100_000, "test examples"),
+    ("batch", int, 8_192, "global batch"),
+    ("replicas", int, 4, "replicas (logical CPU devices)"),
+    ("learning_rate", float, 1.0, "peak learning rate"),
+    ("zipf", float, 1.1, "the ids' Zipf exponent"),
+    ("signal", float, 2.0, "teacher logit scale"),
+    (
+        "teacher_scale",
+        float,
+        0.05,
+        "standard deviation of the teacher's embeddings (the student's init: 0.05 uniform)",
+    ),
+    ("warmup", float, 0.1, "fraction of the updates of linear warm-up (then cosine decay to 0)"),
+)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True, help="folder for results.jsonl")
-    parser.add_argument("--rows", type=int, default=5_000, help="rows of each table")
-    parser.add_argument("--embedding-dim", type=int, default=16)
-    parser.add_argument("--examples", type=int, default=1_000_000, help="training examples")
-    parser.add_argument("--test-examples", type=int, default=100_000)
-    parser.add_argument("--batch", type=int, default=8_192, help="global batch")
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=1.0)
-    parser.add_argument("--zipf", type=float, default=1.1, help="the ids' Zipf exponent")
-    parser.add_argument("--signal", type=float, default=2.0, help="teacher logit scale")
-    parser.add_argument(
-        "--teacher-scale",
-        type=float,
-        default=0.05,
-        help="standard deviation of the teacher's embeddings (the student's init: 0.05 uniform)",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=float,
-        default=0.1,
-        help="fraction of the updates of linear warm-up (then cosine decay to 0)",
-    )
+    for name, kind, default, text in SETTINGS:
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
     return parser.parse_args(argv)
+
+
+def settings_of(args):
+    return {name: getattr(args, name) for name, *_ in SETTINGS}
 
 
 def auc(labels, scores):
@@ -202,12 +210,7 @@ def train_one(name, seed, data, strategy, args):
     return {
         "optimizer": name,
         "seed": seed,
-        "rows": args.rows,
-        "examples": args.examples,
-        "batch": args.batch,
-        "replicas": args.replicas,
-        "learning_rate": args.learning_rate,
-        "teacher_scale": args.teacher_scale,
+        **settings_of(args),
         "updates": int(np.ceil(args.examples / args.batch)),
         "train_loss": float(history.history["loss"][-1]),
         "test_auc": auc(test_y[:, 0], scores),
@@ -229,10 +232,11 @@ def main(argv=None):
     if os.path.exists(path):
         with open(path) as f:
             done = [json.loads(line) for line in f if line.strip()]
-    settings = ("rows", "examples", "batch", "replicas", "learning_rate", "teacher_scale")
+    settings = settings_of(args)
 
     def same(row):
-        return all(row[key] == getattr(args, key) for key in settings)
+        # Rows written before a setting was recorded do not match.
+        return all(row.get(key) == value for key, value in settings.items())
 
     data = planted_task(args)
     print(f"planted task: Bayes AUC {data[4]:.4f} (the teacher's own probabilities)", flush=True)

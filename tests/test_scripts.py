@@ -435,6 +435,18 @@ def test_click_study_ids_follow_the_zipf_law():
     np.testing.assert_allclose(counts / counts.sum(), expected / expected.sum(), atol=3e-3)
 
 
+def test_click_study_rows_record_every_setting_of_the_task():
+    """A result row is matched on resume by all the settings that shape
+    the task and its training (not a subset): each flag but the output,
+    seeds and optimizers is one."""
+    click = _script("click_study")
+    args = click.parse_args(["--output", "unused", "--zipf", "1.3", "--test-examples", "7"])
+    settings = click.settings_of(args)
+    flags = set(vars(args)) - {"output", "seeds", "optimizers"}
+    assert set(settings) == flags
+    assert (settings["zipf"], settings["test_examples"], settings["batch"]) == (1.3, 7, 8_192)
+
+
 def test_grid_experiment_is_derived_from_the_config():
     folder = os.path.join(ROOT, "configs", "fashion_mnist")
     # Adam at batch 4096 (config: 0.008, 140 updates of 4096 = 10 epochs),

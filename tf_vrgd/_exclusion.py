@@ -26,7 +26,9 @@ class LayerwiseExclusionMixin:
     """Mixin for optimizers with Model Garden exclusion lists.
 
     The host class must call `_init_exclusions` in `__init__`; `build`
-    decides each variable's exclusions once Keras has built the optimizer.
+    decides each variable's exclusions once Keras has built the optimizer,
+    then makes the host's own slots in `_build_slots(var_list)` (none by
+    default: a Keras base class that makes its slots in `build` keeps them).
     """
 
     def _init_exclusions(
@@ -109,9 +111,15 @@ class LayerwiseExclusionMixin:
         return not self._matches(patterns, variable)
 
     def build(self, var_list):
+        if self.built:
+            return
         super().build(var_list)
         self._decays = [self._use_weight_decay(v) for v in var_list]
         self._adapts = [self._use_layer_adaptation(v) for v in var_list]
+        self._build_slots(var_list)
+
+    def _build_slots(self, var_list):
+        """Makes the host's optimizer variables (after Keras' `build`)."""
 
     def _exclusion_config(self):
         return {

@@ -85,10 +85,7 @@ class LARS(LayerwiseExclusionMixin, ReplicaAccumulationMixin, keras.optimizers.O
             exclude_from_weight_decay, exclude_from_layer_adaptation, weight_decay_rate
         )
 
-    def build(self, var_list):
-        if self.built:
-            return
-        super().build(var_list)
+    def _build_slots(self, var_list):
         self._velocities = (
             self.add_optimizer_variables(var_list, "velocity")
             if self.momentum
