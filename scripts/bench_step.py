@@ -38,7 +38,9 @@ def parse_args(argv=None):
         "--models",
         nargs="+",
         default=["mlp", "cnn", "resnet50", "encoder"],
-        choices=["mlp", "cnn", "resnet50", "encoder"],
+        choices=["mlp", "thin_mlp", "cnn", "resnet50", "encoder"],
+        help="thin_mlp: --thin-mlp-layers Dense layers of --thin-mlp-width units (82 "
+        "variables by default)",
     )
     parser.add_argument(
         "--setups",
@@ -76,6 +78,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="calls per timed repetition")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repetitions")
     parser.add_argument("--mlp-parameters", type=int, default=10_000_000)
+    parser.add_argument("--thin-mlp-layers", type=int, default=41)
+    parser.add_argument("--thin-mlp-width", type=int, default=32)
     parser.add_argument(
         "--statistics",
         action="store_true",

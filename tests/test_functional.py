@@ -234,6 +234,36 @@ def test_measured_mean_gsnr_is_the_mean_over_the_measured_elements(unmeasured, c
     ref.assert_close(got, expected, f"measured_mean_gsnr ({unmeasured}, {compiled})", rtol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", ["graph", "xla"])
+@pytest.mark.parametrize("spoiled", [None, 1])
+def test_measured_mean_gsnrs_give_each_variable_its_own_mean(compiled, spoiled):
+    """Several variables under one conditional: whether or not one of them
+    has an unmeasured element (which sends all to the masked branch), each
+    mean is that variable's own over its measured elements."""
+    shapes = [(7,), (3, 4), (2, 2, 5)]
+    moments, expected = [], []
+    for v, shape in enumerate(shapes):
+        samples = RNG.standard_normal((4, *shape)) + 0.5
+        mean = samples.mean(0).astype(np.float32)
+        second = np.square(samples).mean(0).astype(np.float32)
+        if v == spoiled:
+            mean.flat[2], second.flat[2] = np.nan, np.nan
+            mean.flat[5], second.flat[5] = 0.0, 0.0
+        with np.errstate(invalid="ignore"):
+            measured = (second > 0) & np.isfinite(second)
+        m, s = mean[measured].astype(np.float64), second[measured].astype(np.float64)
+        expected.append(np.mean(m**2 / np.maximum(s - m**2, 1e-6 * s)))
+        moments.append((tf.constant(mean), tf.constant(second)))
+
+    function = tf.function(
+        lambda pairs: functional.measured_mean_gsnrs(pairs, 1e-6), jit_compile=compiled == "xla"
+    )
+    got = function(moments)
+    assert len(got) == len(shapes)
+    for v, (value, want) in enumerate(zip(got, expected)):
+        ref.assert_close(value, want, f"variable {v} (spoiled {spoiled}, {compiled})", rtol=1e-5)
+
+
 def test_measured_mean_gsnr_of_nothing_measured_is_zero():
     zeros = tf.zeros((3, 2))
     assert float(functional.measured_mean_gsnr(zeros, zeros, 1e-6)) == 0.0

@@ -153,15 +153,21 @@ class DevicePrograms:
         return device_update
 
     def _fused_update(self, indices):
-        """The GSNR update of the large variables at `indices`: each one's
-        `_variable_update` (GSNR, its momentum, the base rule), one after
-        the other in one program."""
+        """The GSNR update of the large variables at `indices`: their moments
+        and layer means (one conditional for all, `measured_mean_gsnrs`),
+        then each one's `_variable_update` (GSNR, its momentum, the base
+        rule), one after the other in one program."""
         updates = [self._variable_update(i) for i in indices]
 
         def fused_update(sums, squares, samples, learning_rate, step, replicas):
             hyper = self._shared_scalars(step)
-            for update, sum_of_gradients, sum_of_squares in zip(updates, sums, squares):
-                update(sum_of_gradients, sum_of_squares, samples, learning_rate, hyper, replicas)
+            moments = [_moments(*pair, samples, replicas) for pair in zip(sums, squares)]
+            # The layer means of every variable, under one conditional.
+            layer_means = functional.measured_mean_gsnrs(moments, hyper["epsilon"])
+            for update, (gradient_mean, second_moment), layer_mean in zip(
+                updates, moments, layer_means
+            ):
+                update(gradient_mean, second_moment, layer_mean, learning_rate, hyper)
 
         return fused_update
 
@@ -385,8 +391,9 @@ class DevicePrograms:
         return new.applied
 
     def _variable_update(self, index):
-        """The VR update of one variable, as a Python function of the reduced
-        sums: GSNR, its momentum, then the base rule's `update_step`."""
+        """The VR update of one variable, as a Python function of its moments
+        and layer mean: GSNR, its momentum, then the base rule's
+        `update_step`."""
         keras_variable = self._trainable_variables[index]
         variable = _tf_variable(keras_variable)
         decays = self._decays_decoupled(keras_variable)
@@ -394,10 +401,7 @@ class DevicePrograms:
         scale_slot = self._gsnr_scales[index]
         statistics_slot = self._gsnr_monitor.value[index]
 
-        def vr_update(sum_of_gradients, sum_of_squares, samples, learning_rate, hyper, replicas):
-            gradient_mean, second_moment = _moments(
-                sum_of_gradients, sum_of_squares, samples, replicas
-            )
+        def vr_update(gradient_mean, second_moment, layer_mean, learning_rate, hyper):
             new = functional.gsnr_scale(
                 gradient_mean,
                 second_moment,
@@ -405,6 +409,7 @@ class DevicePrograms:
                 previous_scale=scale_slot,
                 previous_momentum=gsnr_momentum_slot,
                 statistics=statistics_slot is not None,
+                layer_mean=layer_mean,
             )
             if scale_slot is not None:
                 scale_slot.assign(new.scale)

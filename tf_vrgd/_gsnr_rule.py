@@ -89,30 +89,53 @@ def measured_mean_gsnr(
     gradient_mean: tf.Tensor, second_moment: tf.Tensor, epsilon: Scalar
 ) -> tf.Tensor:
     """The mean of `raw_gsnr` over the `measured_elements` of one variable
-    (0 if there are none): the layer mean of eq. 8.
+    (0 if there are none): the layer mean of eq. 8. One variable's
+    `measured_mean_gsnrs`."""
+    return measured_mean_gsnrs([(gradient_mean, second_moment)], epsilon)[0]
 
-    Usually every element is measured, and one reduction gives the mean:
-    the sum of ``(gbar^2 + (s - s)) / max(s - gbar^2, epsilon * s)``,
+
+def measured_mean_gsnrs(
+    moments: Sequence[tuple[tf.Tensor, tf.Tensor]], epsilon: Scalar
+) -> list[tf.Tensor]:
+    """`measured_mean_gsnr` of each variable of `moments`, a list of
+    ``(gbar, s)`` pairs, with one conditional for all of them.
+
+    Usually every element is measured, and one reduction per variable gives
+    its mean: the sum of ``(gbar^2 + (s - s)) / max(s - gbar^2, epsilon * s)``,
     which is the raw GSNR where s is finite and positive, and NaN where it
     is not (``s - s`` is NaN for an Inf or NaN s; where s == 0 the
-    quotient is 0 / 0). Only when that sum is not finite (an unmeasured
-    element, or a floor that underflowed) are the measured elements and
-    their count summed apart, in a branch that does not run otherwise; the
-    selects and the count made the dense update 1.3x dearer when they ran
-    at every update (docs/RESULTS.md).
+    quotient is 0 / 0). Only when some variable's sum is not finite (an
+    unmeasured element, or a floor that underflowed) are the measured
+    elements and their count summed apart, for every variable, in a branch
+    that does not run otherwise; the selects and the count made the dense
+    update 1.3x dearer when they ran at every update, and a conditional
+    per variable made a ResNet-50 update's trace and XLA compilation
+    dearer than one for all (docs/RESULTS.md).
     """
-    squared_mean, denominator = _gsnr_terms(gradient_mean, second_moment, epsilon)
-    total = tf.reduce_sum((squared_mean + (second_moment - second_moment)) / denominator)
+    totals = []
+    for gradient_mean, second_moment in moments:
+        squared_mean, denominator = _gsnr_terms(gradient_mean, second_moment, epsilon)
+        totals.append(tf.reduce_sum((squared_mean + (second_moment - second_moment)) / denominator))
+    if not totals:
+        return []
+    finite = tf.reduce_all(tf.math.is_finite(tf.stack(totals)))
 
     def over_every_element():
-        return tf.math.divide_no_nan(total, tf.cast(tf.size(second_moment), tf.float32))
+        return [
+            tf.math.divide_no_nan(total, tf.cast(tf.size(second_moment), tf.float32))
+            for total, (_, second_moment) in zip(totals, moments)
+        ]
 
     def over_the_measured():
-        gsnr = raw_gsnr(gradient_mean, second_moment, epsilon)
-        measured = measured_elements(second_moment)
-        return _mean_where_measured(measured, gsnr)
+        return [
+            _mean_where_measured(
+                measured_elements(second_moment),
+                raw_gsnr(gradient_mean, second_moment, epsilon),
+            )
+            for gradient_mean, second_moment in moments
+        ]
 
-    return tf.cond(tf.math.is_finite(total), over_every_element, over_the_measured)
+    return tf.cond(finite, over_every_element, over_the_measured)
 
 
 def normalized_clipped_gsnr(
@@ -344,6 +367,7 @@ def gsnr_scale(
     previous_row_updates: TensorLike | None = None,
     segments: tuple[tf.Tensor, Sequence[int]] | None = None,
     statistics: bool = False,
+    layer_mean: tf.Tensor | None = None,
 ) -> GSNRScale:
     """The VR rule from the moments to the factor applied to gbar, for one
     variable, for several packed into one flat vector, or for the rows of a
@@ -368,11 +392,15 @@ def gsnr_scale(
             variables packed flat (`segment_normalized_clipped_gsnr`).
         statistics: also return the statistics rows: `gsnr_statistics`
             followed by `noise_sums` (per variable when packed).
+        layer_mean: the variable's `measured_mean_gsnr`, when the caller
+            has it already (`measured_mean_gsnrs` of several variables);
+            not with `segments`.
     """
     gsnr = raw_gsnr(gradient_mean, second_moment, epsilon)
     measured = measured_elements(second_moment)
     if segments is None:
-        layer_mean = measured_mean_gsnr(gradient_mean, second_moment, epsilon)
+        if layer_mean is None:
+            layer_mean = measured_mean_gsnr(gradient_mean, second_moment, epsilon)
         scale = normalized_clipped_gsnr(gsnr, gamma, layer_mean=layer_mean)
     else:
         scale, layer_means, counts = segment_normalized_clipped_gsnr(

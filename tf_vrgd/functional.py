@@ -24,6 +24,7 @@ from tf_vrgd._gsnr_rule import gsnr_scale as gsnr_scale
 from tf_vrgd._gsnr_rule import gsnr_statistics as gsnr_statistics
 from tf_vrgd._gsnr_rule import measured_elements as measured_elements
 from tf_vrgd._gsnr_rule import measured_mean_gsnr as measured_mean_gsnr
+from tf_vrgd._gsnr_rule import measured_mean_gsnrs as measured_mean_gsnrs
 from tf_vrgd._gsnr_rule import noise_sums as noise_sums
 from tf_vrgd._gsnr_rule import normalized_clipped_gsnr as normalized_clipped_gsnr
 from tf_vrgd._gsnr_rule import raw_gsnr as raw_gsnr

@@ -28,6 +28,7 @@ from tf_vrgd.experiments.bench_models import (
     mlp,
     parameter_count,
     resnet50,
+    thin_mlp,
 )
 from tf_vrgd.experiments.timing import (
     Candidate,
@@ -162,6 +163,10 @@ class Settings:
     repeats: int = 7
     first_step_rounds: int = 3
     mlp_parameters: int = 10_000_000
+    # The thin MLP: Dense layers of `thin_mlp_width` units, two variables
+    # each (41 x 32: the 82-variable MLP of the first-step target).
+    thin_mlp_layers: int = 41
+    thin_mlp_width: int = 32
     statistics: bool = False
     # Each N > 1 adds the twin with gsnr_interval = N; the timed calls of
     # every candidate are then a whole number of the largest N's cycles.
@@ -178,6 +183,7 @@ class Settings:
 
 MODEL_FACTORIES = {
     "mlp": lambda settings: mlp(settings.mlp_parameters),
+    "thin_mlp": lambda settings: thin_mlp(settings.thin_mlp_layers, settings.thin_mlp_width),
     "cnn": lambda settings: cnn(),
     "resnet50": lambda settings: resnet50(size=settings.image_size),
     "encoder": lambda settings: encoder(),
