@@ -280,22 +280,18 @@ class _Companion(NamedTuple):
 
 
 def _squared_norms(gradients):
-    """The squared norm of each gradient, as a vector: the dense ones in one
-    XLA program (one pass each, not a kernel launch per variable), the
-    row-sparse ones apart."""
-    dense = [g for g in gradients if not isinstance(g, tf.IndexedSlices)]
-    dense_norms = iter(tf.unstack(_dense_squared_norms(dense)) if dense else ())
+    """The squared norm of each gradient, as a vector. A dense one is
+    ``2 * l2_loss``: one fused kernel that reads the gradient once, 2.5x
+    faster on ResNet-50's gradients than the same reductions in one XLA
+    program on a CPU (docs/RESULTS.md, "NoiseScale's cost")."""
     return tf.stack(
         [
-            _row_sparse_squared_norm(g) if isinstance(g, tf.IndexedSlices) else next(dense_norms)
+            _row_sparse_squared_norm(g)
+            if isinstance(g, tf.IndexedSlices)
+            else 2.0 * tf.nn.l2_loss(tf.cast(g, tf.float32))
             for g in gradients
         ]
     )
-
-
-@tf.function(jit_compile=True, autograph=False)
-def _dense_squared_norms(gradients):
-    return tf.stack([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in gradients])
 
 
 def _row_sparse_squared_norm(gradient):
