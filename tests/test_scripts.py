@@ -183,9 +183,12 @@ def test_bench_step_measures_every_kind_with_accumulation():
         line = benchmark.format_row(row)
         ratio = row["seconds"]["vr"] / row["seconds"]["base"]
         assert line.startswith(f"{row['pair']:<9} {row['kind']}") and f"{ratio:5.2f}" in line
-    # The first step (trace, compile, run) costs more than a steady step.
+    # The first step (trace, compile, run) costs more than a steady step,
+    # and its trace is a part of it.
     first, _, train = rows[:3]
     assert first["seconds"]["vr"] > train["seconds"]["vr"]
+    assert set(first["trace_seconds"]) == set(first["seconds"])
+    assert all(0 < first["trace_seconds"][k] < first["seconds"][k] for k in first["seconds"])
     assert lines[0].startswith("memory copy bandwidth")
 
 

@@ -214,7 +214,8 @@ def measure(settings, gpus=(), report=print):
     ``parameters``, ``variables``, ``replicas``, ``pair``, ``kind`` ("first
     step", "update" or "train step") and ``seconds`` (candidate -> median
     seconds: "base", "vr", and "vr no-xla" / "vr statistics" where
-    measured), plus, for "update", ``traffic`` (candidate -> achieved bytes/s
+    measured), plus, for "first step", ``trace_seconds`` (candidate -> median
+    seconds of the trace alone), for "update", ``traffic`` (candidate -> achieved bytes/s
     over the copy bandwidth). Each row is passed to `report` as soon as it
     is measured; `format_row` makes a line of it.
     """
@@ -305,6 +306,7 @@ def measure(settings, gpus=(), report=print):
                     pair=pair_name,
                 )
                 if "first step" in settings.kinds:
+                    traces = {}
                     seconds = first_step_times(
                         factories,
                         make_model,
@@ -312,8 +314,11 @@ def measure(settings, gpus=(), report=print):
                         batch,
                         calls_per_update,
                         settings.first_step_rounds,
+                        traces,
                     )
-                    rows.append({**row, "kind": "first step", "seconds": seconds})
+                    rows.append(
+                        {**row, "kind": "first step", "seconds": seconds, "trace_seconds": traces}
+                    )
                     report(rows[-1])
                 steady = [kind for kind in settings.kinds if kind != "first step"]
                 if not steady:
@@ -391,6 +396,11 @@ def format_row(row):
     for name, value in seconds.items():
         if name.startswith("vr N="):
             line += f"  {name}/base {value / seconds['base']:5.2f}"
+    if "trace_seconds" in row:  # the first step's trace, the rest compiles and runs
+        line += "  of which trace " + " ".join(
+            f"{'twin' if name == 'vr' else name} {value:.1f} s"
+            for name, value in row["trace_seconds"].items()
+        )
     if "collective_bytes" in row:
         sent = row["collective_bytes"]
         line += "  all-reduce MB/update " + " ".join(

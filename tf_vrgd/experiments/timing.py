@@ -94,6 +94,20 @@ class Candidate:
 
         self.functions = {"update": update, "train step": train_step}
 
+    def first_step(self, calls=1):
+        """``(trace seconds, total seconds)`` of the first `calls` training
+        steps of this fresh candidate: the trace of the step function (its
+        Python, the per-device programs' traces included), then to the end
+        of the calls (graph optimisation, XLA compilation, the run)."""
+        function = self.functions["train step"]
+        start = time.perf_counter()
+        function.get_concrete_function()
+        traced = time.perf_counter() - start
+        for _ in range(calls):
+            function()
+        self.model.trainable_variables[0].numpy()
+        return traced, time.perf_counter() - start
+
     def time(self, kind, steps):
         function = self.functions[kind]
         start = time.perf_counter()
@@ -152,7 +166,7 @@ def compare(candidates, kind, steps=10, repeats=7, warmup=3):
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3):
+def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3, traces=None):
     """Median seconds from a fresh optimizer to the end of its first update
     in a training step (trace, compile, run), per candidate, interleaved:
     each round builds every candidate anew, in the same order.
@@ -162,12 +176,19 @@ def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3):
         calls: Training-step calls up to the first update (the accumulation
             steps A, with accumulation: the update's branch is compiled when
             it first runs).
+        traces: A dict that, if given, receives name -> median seconds of
+            the trace alone (`Candidate.first_step`).
     """
     samples = {name: [] for name in factories}
+    traced = {name: [] for name in factories}
     for _ in range(rounds):
         for name, make_optimizer in factories.items():
             candidate = Candidate(name, make_optimizer, make_model, strategy, batch)
-            samples[name].append(candidate.time("train step", calls) * calls)
+            trace, total = candidate.first_step(calls)
+            samples[name].append(total)
+            traced[name].append(trace)
             del candidate
             gc.collect()
+    if traces is not None:
+        traces.update({name: statistics.median(times) for name, times in traced.items()})
     return {name: statistics.median(times) for name, times in samples.items()}
