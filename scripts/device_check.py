@@ -19,7 +19,8 @@ in OUT/<step>.log.
 3. step cost: scripts/bench_step.py, the update (with its traffic as a
    fraction of the GPU's copy bandwidth) and the training step of the Adam
    and LAMB pairs (and the package's own LAMB) at gsnr_interval N = 1 and
-   16 on ResNet-50 at 224x224 and the encoder, 64 examples per replica,
+   16, and of Keras' Adam against NoiseScale around it (interval 1 and
+   16), on ResNet-50 at 224x224 and the encoder, 64 examples per replica,
    mirrored over the GPUs (over two logical GPUs of GPU 0 where there is
    one).
 4. paper tasks: vrgd-train --synthetic --compare on BERT-large phase 1 and
@@ -170,7 +171,7 @@ def tests(args, gpus, timeout):
 def bench(args, gpus, timeout):
     rows_file = os.path.join(args.output, "bench_step.json")
     command = [sys.executable, os.path.join(ROOT, "scripts", "bench_step.py")]
-    command += ["--setups", "mirrored", "--pairs", "Adam", "LAMB", "--own-base"]
+    command += ["--setups", "mirrored", "--pairs", "Adam", "LAMB", "NoiseScale", "--own-base"]
     command += ["--kinds", "update", "train step"]
     command += ["--gsnr-intervals", "1", "16", "--no-no-xla", "--json", rows_file]
     if args.dry_run:  # a small MLP in place of the real shapes

@@ -31,7 +31,7 @@ def test_device_check_dry_run_writes_every_step(tmp_path):
     rows = report["bench"]["rows"]
     assert report["bench"]["exit_code"] == 0
     assert sorted((row["pair"], row["kind"]) for row in rows) == [
-        (pair, kind) for pair in ("Adam", "LAMB") for kind in ("train step", "update")
+        (pair, kind) for pair in ("Adam", "LAMB", "NoiseScale") for kind in ("train step", "update")
     ]
     for row in rows:
         assert row["base_ms"] > 0 and row["vr_over_base"] > 0 and row["vr_N=16_over_base"] > 0
