@@ -280,25 +280,17 @@ class _Companion(NamedTuple):
 
 
 def _squared_norms(gradients):
-    """The squared norm of each gradient, as a vector. A dense one is
-    ``2 * l2_loss``: one fused kernel that reads the gradient once, 2.5x
-    faster on ResNet-50's gradients than the same reductions in one XLA
-    program on a CPU (docs/RESULTS.md, "NoiseScale's cost")."""
-    return tf.stack(
-        [
-            _row_sparse_squared_norm(g)
-            if isinstance(g, tf.IndexedSlices)
-            else 2.0 * tf.nn.l2_loss(tf.cast(g, tf.float32))
-            for g in gradients
-        ]
-    )
-
-
-def _row_sparse_squared_norm(gradient):
-    """|g|^2 in float32 of a row-sparse gradient, its repeated rows summed
-    first (the gradient it means)."""
-    values = functional.sum_duplicate_rows(gradient).values
-    return tf.reduce_sum(tf.square(tf.cast(values, tf.float32)))
+    """The squared norm of each gradient, as a vector: ``2 * l2_loss`` in
+    float32, one fused kernel that reads the values once (2.5x faster on
+    ResNet-50's gradients than the same reductions in one XLA program on
+    a CPU: docs/RESULTS.md, "NoiseScale's cost"). A row-sparse gradient's
+    repeated rows are summed first (the gradient it means)."""
+    norms = []
+    for gradient in gradients:
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = functional.sum_duplicate_rows(gradient).values
+        norms.append(2.0 * tf.nn.l2_loss(tf.cast(gradient, tf.float32)))
+    return tf.stack(norms)
 
 
 def find_noise_scale(optimizer: keras.optimizers.Optimizer | None) -> NoiseScale | None:

@@ -306,15 +306,13 @@ def measure(settings, gpus=(), report=print):
                     pair=pair_name,
                 )
                 if "first step" in settings.kinds:
-                    traces = {}
-                    seconds = first_step_times(
+                    seconds, traces = first_step_times(
                         factories,
                         make_model,
                         strategy,
                         batch,
                         calls_per_update,
                         settings.first_step_rounds,
-                        traces,
                     )
                     rows.append(
                         {**row, "kind": "first step", "seconds": seconds, "trace_seconds": traces}

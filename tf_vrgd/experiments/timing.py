@@ -166,18 +166,20 @@ def compare(candidates, kind, steps=10, repeats=7, warmup=3):
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3, traces=None):
+def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3):
     """Median seconds from a fresh optimizer to the end of its first update
-    in a training step (trace, compile, run), per candidate, interleaved:
-    each round builds every candidate anew, in the same order.
+    in a training step (trace, compile, run), and of its trace alone
+    (`Candidate.first_step`), per candidate, interleaved: each round builds
+    every candidate anew, in the same order.
 
     Args:
         factories: Dict name -> optimizer factory.
         calls: Training-step calls up to the first update (the accumulation
             steps A, with accumulation: the update's branch is compiled when
             it first runs).
-        traces: A dict that, if given, receives name -> median seconds of
-            the trace alone (`Candidate.first_step`).
+
+    Returns:
+        ``(seconds, trace seconds)``: two dicts name -> median seconds.
     """
     samples = {name: [] for name in factories}
     traced = {name: [] for name in factories}
@@ -189,6 +191,8 @@ def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3, 
             traced[name].append(trace)
             del candidate
             gc.collect()
-    if traces is not None:
-        traces.update({name: statistics.median(times) for name, times in traced.items()})
+    return _medians(samples), _medians(traced)
+
+
+def _medians(samples):
     return {name: statistics.median(times) for name, times in samples.items()}
