@@ -113,6 +113,12 @@ def parse_args(argv=None):
         "(tf_vrgd.LAMB beside keras.optimizers.Lamb)",
     )
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also time a second copy of each base: its ratio to the base is the run's "
+        "noise floor for a ratio",
+    )
+    parser.add_argument(
         "--no-xla",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -54,6 +54,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--no-xla", action="store_true", help="both twins with jit_update=False")
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also time a second copy of the other commit's twin: its ratio to the first "
+        "is the run's noise floor for this/other",
+    )
+    parser.add_argument(
         "--kind", default="update", choices=("update", "train step"), help="what is timed"
     )
     args = parser.parse_args(argv)
@@ -144,15 +150,23 @@ def main(argv=None):
                         ("base", base, {}),
                         ("old", old_twin, twin_fields),
                         ("new", new_twin, twin_fields),
+                        *([("old again", old_twin, twin_fields)] if args.control else []),
                     )
                 ]
                 s = timing.compare(candidates, args.kind, steps, args.repeats, warmup=warmup)
+                # The control: the same twin built twice, whose ratio only
+                # the machine's noise moves from 1.
+                control = (
+                    f"  {args.commit} again/{args.commit} {s['old again'] / s['old']:.3f}"
+                    if args.control
+                    else ""
+                )
                 print(
                     f"{model_name:<9} {pair:<9} {args.kind}{label}: "
                     f"base {s['base'] * 1e3:8.1f} ms  "
                     f"{args.commit} {s['old'] * 1e3:8.1f} ms ({s['old'] / s['base']:.2f}x)  "
                     f"this {s['new'] * 1e3:8.1f} ms ({s['new'] / s['base']:.2f}x)  "
-                    f"this/{args.commit} {s['new'] / s['old']:.3f}",
+                    f"this/{args.commit} {s['new'] / s['old']:.3f}{control}",
                     flush=True,
                 )
                 del candidates

@@ -542,6 +542,8 @@ def test_bench_versions_imports_a_commit_beside_this_checkout(tmp_path):
         ["--commit", "HEAD", "--models", "thin_mlp", "--gsnr-interval", "16", "--no-xla"]
     )
     assert (args.gsnr_interval, args.no_xla, args.kind) == (16, True, "update")
+    assert not args.control
+    assert versions.parse_args(["--commit", "HEAD", "--control"]).control
     with pytest.raises(SystemExit):
         versions.parse_args(["--commit", "HEAD", "--gsnr-interval", "0"])
     from tf_vrgd.experiments import bench_models
@@ -555,11 +557,16 @@ def test_bench_versions_imports_a_commit_beside_this_checkout(tmp_path):
 
 def test_bench_step_times_the_noise_scale_wrapper_at_each_interval():
 
-    settings, row = _one_update_at_intervals_1_and_4("NoiseScale")
-    assert set(row["seconds"]) == {"base", "vr", "vr N=4"}
+    from tf_vrgd.experiments import benchmark
+
+    settings, row = _one_update_at_intervals_1_and_4("NoiseScale", control=True)
+    # The control: a second copy of the base, whose ratio is the noise floor.
+    assert set(row["seconds"]) == {"base", "base again", "vr", "vr N=4"}
     assert all(seconds > 0 for seconds in row["seconds"].values())
+    assert "base-again/base" in benchmark.format_row(row)
     # Adam's 28 B and 12 B a micro-step; the wrapper reads the gradient
     # twice more (its squared norm, the reduced one's) at measured updates.
     a = settings.accumulation
     moved = row["bytes_per_parameter"]
     assert (moved["base"], moved["vr"], moved["vr N=4"]) == (28 + 12 * a, 36 + 12 * a, 30 + 12 * a)
+    assert moved["base again"] == moved["base"]

@@ -165,9 +165,7 @@ class NoiseScale(InnerOptimizerWrapper):
             return grads_and_vars
         gradients = [g for _, g, _ in present]
         variables = [v for _, _, v in present]
-        measuring = self._is_measured_update()
-        local = tf.cond(
-            measuring,
+        local = self._if_measured(
             lambda: self._scatter(variables, _squared_norms(gradients)),
             lambda: tf.zeros([len(self.inner_optimizer._trainable_variables)]),
         )
@@ -188,7 +186,7 @@ class NoiseScale(InnerOptimizerWrapper):
         first_here = tf.equal(
             tf.math.floormod(replica_context.replica_id_in_sync_group, local_replicas), 0
         )
-        tf.cond(tf.logical_and(measuring, first_here), record, lambda: None)
+        self._if_measured(lambda: tf.cond(first_here, record, lambda: None), lambda: None)
         out = list(grads_and_vars)
         for (i, _, v), g in zip(present, reduced):
             out[i] = (g, v)
@@ -218,7 +216,7 @@ class NoiseScale(InnerOptimizerWrapper):
         def add():
             norms.assign_add(self._scatter(variables, _squared_norms(grads)))
 
-        tf.cond(self._is_measured_update(), add, lambda: None)
+        self._if_measured(add, lambda: None)
         return [norms.read_value()]
 
     def _record_accumulated(self, distribution, means, variables, sums):
@@ -236,17 +234,21 @@ class NoiseScale(InnerOptimizerWrapper):
             big = _squared_norms([first(m) for m in means])
             self._add_to_sums(variables, big, first(sums[0]) * (replicas / steps))
 
-        tf.cond(self._is_measured_update(), record, lambda: None)
+        self._if_measured(record, lambda: None)
 
     def _reset_micro_step_norms(self):
         norms = self._local_norms.value
         norms.assign(tf.zeros_like(norms))
 
-    def _is_measured_update(self):
-        """Updates 1, N + 1, 2N + 1, ... (the step counter before it)."""
+    def _if_measured(self, measure, otherwise):
+        """`measure()` at updates 1, N + 1, 2N + 1, ... (the step counter
+        before it), `otherwise()` at the others: a conditional only when
+        `interval` > 1, none in the graph of an update that always
+        measures."""
         if self.interval == 1:
-            return tf.constant(True)
-        return tf.equal(tf.math.floormod(self.inner_optimizer.iterations, self.interval), 0)
+            return measure()
+        measuring = tf.equal(tf.math.floormod(self.inner_optimizer.iterations, self.interval), 0)
+        return tf.cond(measuring, measure, otherwise)
 
     # -- diagnostics ----------------------------------------------------------
 

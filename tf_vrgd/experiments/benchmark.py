@@ -175,6 +175,10 @@ class Settings:
     # Also time this package's own base rule where the pair's base is
     # Keras' (`own_bases`).
     own_base: bool = False
+    # Also time a second, separately built copy of the base ("base again"):
+    # its ratio to the base is what the machine's noise alone makes of a
+    # ratio between two candidates of equal cost, in the same run.
+    control: bool = False
     image_size: int = 32  # resnet50's input side (ImageNet: 224)
     # Reduce through one device: GPUs that are logical parts of one GPU
     # (NCCL does not run between them).
@@ -273,6 +277,8 @@ def measure(settings, gpus=(), report=print):
                 own_base = own_bases().get(pair_name) if settings.own_base else None
                 if own_base is not None:
                     factories["own base"] = functools.partial(own_base, **extra)
+                if settings.control:
+                    factories["base again"] = functools.partial(make_base, **extra)
                 if pair_name not in WRAPPER_PAIRS:
                     if settings.no_xla:
                         factories["vr no-xla"] = functools.partial(
@@ -391,6 +397,8 @@ def format_row(row):
         )
     if "own base" in seconds:
         line += f"  own-base/base {seconds['own base'] / seconds['base']:5.2f}"
+    if "base again" in seconds:  # the noise floor of a ratio in this run
+        line += f"  base-again/base {seconds['base again'] / seconds['base']:5.2f}"
     for name, value in seconds.items():
         if name.startswith("vr N="):
             line += f"  {name}/base {value / seconds['base']:5.2f}"
