@@ -240,6 +240,29 @@ def test_bench_step_times_each_gsnr_interval_and_the_own_base_rule():
     assert (moved["vr"], moved["vr N=4"]) == (48 + 20 * a, 36 + a * (12 + 8 / 4))
 
 
+def test_timing_gives_each_candidate_each_place_in_the_order():
+    from tf_vrgd.experiments import timing
+
+    calls = []
+
+    class Recorded:
+        def __init__(self, name, seconds):
+            self.name, self.seconds = name, seconds
+
+        def time(self, kind, steps):
+            calls.append((self.name, steps))
+            return self.seconds
+
+    candidates = [Recorded("a", 1.0), Recorded("b", 2.0), Recorded("c", 3.0)]
+    medians = timing.compare(candidates, "update", steps=5, repeats=3, warmup=2)
+    assert medians == {"a": 1.0, "b": 2.0, "c": 3.0}
+    # The warm-up in order, then rounds starting at a, b, c.
+    assert [name for name, steps in calls if steps == 2] == ["a", "b", "c"]
+    timed = [name for name, steps in calls if steps == 5]
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert timing.rotated([], 3) == [] and timing.rotated("xy", 3) == ["y", "x"]
+
+
 def test_update_bytes_follow_the_table_of_the_algorithms_document():
     from tf_vrgd.experiments.benchmark import update_bytes
 

@@ -155,22 +155,35 @@ def collective_times(strategy, parameters, steps=5, repeats=7):
 def compare(candidates, kind, steps=10, repeats=7, warmup=3):
     """Median seconds per call of each candidate, interleaved.
 
+    Repetition r starts with candidate r (mod their number) and goes round:
+    each candidate takes each place in the order equally often when
+    `repeats` is a multiple of the number of candidates, so that what the
+    place costs (the first of a round after the last of the one before) is
+    no candidate's alone.
+
     Returns a dict name -> median seconds.
     """
     for candidate in candidates:
         candidate.time(kind, warmup)
     samples = {c.name: [] for c in candidates}
-    for _ in range(repeats):
-        for candidate in candidates:
+    for repeat in range(repeats):
+        for candidate in rotated(candidates, repeat):
             samples[candidate.name].append(candidate.time(kind, steps))
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def rotated(items, start):
+    """`items` from index `start` (mod their number) round to the one before."""
+    items = list(items)
+    start %= max(len(items), 1)
+    return items[start:] + items[:start]
 
 
 def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3):
     """Median seconds from a fresh optimizer to the end of its first update
     in a training step (trace, compile, run), and of its trace alone
     (`Candidate.first_step`), per candidate, interleaved: each round builds
-    every candidate anew, in the same order.
+    every candidate anew, round r starting with candidate r (`compare`).
 
     Args:
         factories: Dict name -> optimizer factory.
@@ -183,8 +196,8 @@ def first_step_times(factories, make_model, strategy, batch, calls=1, rounds=3):
     """
     samples = {name: [] for name in factories}
     traced = {name: [] for name in factories}
-    for _ in range(rounds):
-        for name, make_optimizer in factories.items():
+    for round_ in range(rounds):
+        for name, make_optimizer in rotated(factories.items(), round_):
             candidate = Candidate(name, make_optimizer, make_model, strategy, batch)
             trace, total = candidate.first_step(calls)
             samples[name].append(total)
