@@ -236,10 +236,13 @@ def test_measured_mean_gsnr_is_the_mean_over_the_measured_elements(unmeasured, c
 
 @pytest.mark.parametrize("compiled", ["graph", "xla"])
 @pytest.mark.parametrize("spoiled", [None, 1])
-def test_measured_mean_gsnrs_give_each_variable_its_own_mean(compiled, spoiled):
+@pytest.mark.parametrize("in_branch", [False, True], ids=["moments", "moments_in_branch"])
+def test_measured_mean_gsnrs_give_each_variable_its_own_mean(compiled, spoiled, in_branch):
     """Several variables under one conditional: whether or not one of them
     has an unmeasured element (which sends all to the masked branch), each
-    mean is that variable's own over its measured elements."""
+    mean is that variable's own over its measured elements. With
+    `moments_in_branch` the masked branch makes the pairs again from what
+    they were made of (here s = 4 * S2, as `gradient_moments` does)."""
     shapes = [(7,), (3, 4), (2, 2, 5)]
     moments, expected = [], []
     for v, shape in enumerate(shapes):
@@ -255,10 +258,18 @@ def test_measured_mean_gsnrs_give_each_variable_its_own_mean(compiled, spoiled):
         expected.append(np.mean(m**2 / np.maximum(s - m**2, 1e-6 * s)))
         moments.append((tf.constant(mean), tf.constant(second)))
 
-    function = tf.function(
-        lambda pairs: functional.measured_mean_gsnrs(pairs, 1e-6), jit_compile=compiled == "xla"
-    )
-    got = function(moments)
+    def means(pairs):
+        if not in_branch:
+            return functional.measured_mean_gsnrs(pairs, 1e-6)
+
+        def from_sums():
+            return [(mean, 4.0 * quarter) for mean, quarter in pairs]
+
+        return functional.measured_mean_gsnrs(from_sums(), 1e-6, moments_in_branch=from_sums)
+
+    if in_branch:  # the inputs hold S2 = s / 4
+        moments = [(mean, second / 4.0) for mean, second in moments]
+    got = tf.function(means, jit_compile=compiled == "xla")(moments)
     assert len(got) == len(shapes)
     for v, (value, want) in enumerate(zip(got, expected)):
         ref.assert_close(value, want, f"variable {v} (spoiled {spoiled}, {compiled})", rtol=1e-5)

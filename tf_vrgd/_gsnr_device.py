@@ -161,9 +161,17 @@ class DevicePrograms:
 
         def fused_update(sums, squares, samples, learning_rate, step, replicas):
             hyper = self._shared_scalars(step)
-            moments = [_moments(*pair, samples, replicas) for pair in zip(sums, squares)]
-            # The layer means of every variable, under one conditional.
-            layer_means = functional.measured_mean_gsnrs(moments, hyper["epsilon"])
+
+            def moments_of_sums():
+                return [_moments(*pair, samples, replicas) for pair in zip(sums, squares)]
+
+            moments = moments_of_sums()
+            # The layer means of every variable, under one conditional whose
+            # rare branch makes its moments from the reduced sums themselves
+            # (the program's inputs), so that none is stored for it.
+            layer_means = functional.measured_mean_gsnrs(
+                moments, hyper["epsilon"], moments_in_branch=moments_of_sums
+            )
             for update, (gradient_mean, second_moment), layer_mean in zip(
                 updates, moments, layer_means
             ):

@@ -7,7 +7,7 @@ Public through `tf_vrgd.functional`, which re-exports every public name
 here; stateless like the rest of it.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -95,10 +95,19 @@ def measured_mean_gsnr(
 
 
 def measured_mean_gsnrs(
-    moments: Sequence[tuple[tf.Tensor, tf.Tensor]], epsilon: Scalar
+    moments: Sequence[tuple[tf.Tensor, tf.Tensor]],
+    epsilon: Scalar,
+    moments_in_branch: Callable[[], Sequence[tuple[tf.Tensor, tf.Tensor]]] | None = None,
 ) -> list[tf.Tensor]:
     """`measured_mean_gsnr` of each variable of `moments`, a list of
     ``(gbar, s)`` pairs, with one conditional for all of them.
+
+    `moments_in_branch`, if given, makes the same pairs again inside the
+    branch that sums the measured elements, from what `moments` were made
+    of. Under XLA a conditional's inputs are stored whole before it runs:
+    moments derived from an update's inputs (``s = R * S2``) would then
+    cost a write and a read each at every update, where made in the branch
+    they cost nothing unless it runs.
 
     Usually every element is measured, and one reduction per variable gives
     its mean: the sum of ``(gbar^2 + (s - s)) / max(s - gbar^2, epsilon * s)``,
@@ -132,7 +141,9 @@ def measured_mean_gsnrs(
                 measured_elements(second_moment),
                 raw_gsnr(gradient_mean, second_moment, epsilon),
             )
-            for gradient_mean, second_moment in moments
+            for gradient_mean, second_moment in (
+                moments if moments_in_branch is None else moments_in_branch()
+            )
         ]
 
     return tf.cond(finite, over_every_element, over_the_measured)
