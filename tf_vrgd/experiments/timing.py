@@ -169,7 +169,7 @@ def compare(candidates, kind, steps=10, repeats=7, warmup=3):
     for repeat in range(repeats):
         for candidate in rotated(candidates, repeat):
             samples[candidate.name].append(candidate.time(kind, steps))
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return _medians(samples)
 
 
 def rotated(items, start):
