@@ -229,6 +229,20 @@ def test_update_is_traced_once(strategy):
     assert _update_traces(optimizer) == strategy.num_replicas_in_sync
 
 
+def test_layer_mean_programs_are_traced_once_for_every_device(strategy):
+    # The layer means' two programs (the element sums, and the masked means
+    # of the rare branch) take tensors only: one trace serves all devices.
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=19)
+    with strategy.scope():
+        model = helpers.make_model()
+        optimizer = tf_vrgd.VRAdam()
+    helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
+    shared = [p for f in optimizer._variable_updates.values() for p in f.shared]
+    assert len(shared) == 2
+    assert [p.tracing_count() for p in shared] == [1, 1]
+    assert _update_traces(optimizer) == strategy.num_replicas_in_sync
+
+
 @pytest.mark.parametrize("accumulation_steps", [None, 2])
 def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulation_steps):
     # MLPs of 5 and 40 Dense layers (10 and 80 variables; the kernels go to

@@ -124,8 +124,9 @@ class DevicePrograms:
         key = (measure, indices, packed_indices, sparse_indices)
         if key in self._variable_updates:
             return self._variable_updates[key]
+        layer_means = None
         if measure:
-            fused_update = self._fused_update(indices)
+            layer_means, fused_update = self._fused_update(indices)
             packed_update = self._packed_update(packed_indices)
         else:
             fused_update = self._fused_scale_update(indices)
@@ -140,44 +141,77 @@ class DevicePrograms:
         # optimizers' updates, the closure fails to find `fused_update`.
         @tf.autograph.experimental.do_not_convert
         def device_update(sums, squares, row_messages, *scalars):
-            if indices:
+            if indices and layer_means is not None:
+                samples, replicas = scalars[0], scalars[-1]
+                means = layer_means(sums[:count], squares[:count], samples, replicas)
+                fused_update(sums[:count], squares[:count], *scalars, means)
+            elif indices:
                 fused_update(sums[:count], squares and squares[:count], *scalars)
             if packed_indices:
                 packed_update(sums[count], squares and squares[count], *scalars)
             if sparse_indices:
                 row_update(row_messages, *scalars)
 
-        # The compiled program, whose traces the tests count.
+        # The compiled program, whose traces the tests count, and the
+        # programs every device shares.
         device_update.compiled = fused_update if indices and self.jit_update else None
+        device_update.shared = () if layer_means is None else layer_means.shared
         self._variable_updates[key] = device_update
         return device_update
 
     def _fused_update(self, indices):
-        """The GSNR update of the large variables at `indices`: their moments
-        and layer means (one conditional for all, `measured_mean_gsnrs`),
-        then each one's `_variable_update` (GSNR, its momentum, the base
-        rule), one after the other in one program."""
+        """The GSNR update of the large variables at `indices`, as a pair
+        ``(layer_means, update)``.
+
+        `layer_means` runs in the device's graph: one reduction per variable
+        (`functional.gsnr_element_sums`), then one conditional for all
+        (`functional.mean_gsnrs_of_element_sums`) whose masked branch is a
+        program of its own. Both programs take tensors only, so that one
+        trace serves every device (`_TracedOnce`), and the masked one is
+        compiled on a device only when it first runs there. `update` is the
+        device's program given those means: each variable's
+        `_variable_update` (GSNR, its momentum, the base rule), one after
+        the other.
+        """
         updates = [self._variable_update(i) for i in indices]
+        sizes = [variable_size(_tf_variable(self._trainable_variables[i])) for i in indices]
+        epsilon = self.gsnr_epsilon
 
-        def fused_update(sums, squares, samples, learning_rate, step, replicas):
-            hyper = self._shared_scalars(step)
+        def moments_of(sums, squares, samples, replicas):
+            return [_moments(*pair, samples, replicas) for pair in zip(sums, squares)]
 
-            def moments_of_sums():
-                return [_moments(*pair, samples, replicas) for pair in zip(sums, squares)]
-
-            moments = moments_of_sums()
-            # The layer means of every variable, under one conditional whose
-            # rare branch makes its moments from the reduced sums themselves
-            # (the program's inputs), so that none is stored for it.
-            layer_means = functional.measured_mean_gsnrs(
-                moments, hyper["epsilon"], moments_in_branch=moments_of_sums
+        def element_sums(sums, squares, samples, replicas):
+            return functional.gsnr_element_sums(
+                moments_of(sums, squares, samples, replicas), epsilon
             )
+
+        def masked_means(sums, squares, samples, replicas):
+            return functional.masked_mean_gsnrs(
+                moments_of(sums, squares, samples, replicas), epsilon
+            )
+
+        element_sums = _TracedOnce(element_sums, self.jit_update)
+        masked_means = _TracedOnce(masked_means, self.jit_update)
+
+        def layer_means(sums, squares, samples, replicas):
+            return tf.stack(
+                functional.mean_gsnrs_of_element_sums(
+                    element_sums(sums, squares, samples, replicas=replicas),
+                    sizes,
+                    lambda: masked_means(sums, squares, samples, replicas=replicas),
+                )
+            )
+
+        def update(sums, squares, samples, learning_rate, step, replicas, means):
+            hyper = self._shared_scalars(step)
+            moments = moments_of(sums, squares, samples, replicas)
             for update, (gradient_mean, second_moment), layer_mean in zip(
-                updates, moments, layer_means
+                updates, moments, tf.unstack(means)
             ):
                 update(gradient_mean, second_moment, layer_mean, learning_rate, hyper)
 
-        return fused_update
+        layer_means.shared = (element_sums, masked_means)
+        return layer_means, update
 
     def _fused_scale_update(self, indices):
         """The update between GSNR updates of the large variables at
@@ -442,6 +476,33 @@ class DevicePrograms:
         if decays:
             _decay(variable, self.weight_decay, learning_rate)
         self.update_step(tf.cast(scaled_gradient, variable.dtype), variable, learning_rate)
+
+
+class _TracedOnce:
+    """A function of tensors alone (lists of them, or None), traced once and
+    called on every device.
+
+    A `tf.function` called in each device's update context is traced again
+    for each; its concrete function, traced once, runs where it is called
+    (XLA, with `jit_compile`, compiles it once per device, when it first
+    runs there). Keyword arguments are Python values fixed at the trace.
+    """
+
+    def __init__(self, function, jit_compile):
+        self._function = tf.function(function, jit_compile=jit_compile, autograph=False)
+        self._concrete = {}
+
+    def __call__(self, *tensors, **fixed):
+        specs = tf.nest.map_structure(
+            lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), tensors
+        )
+        key = (tuple(sorted(fixed.items())), tuple(tf.nest.flatten(specs)))
+        if key not in self._concrete:
+            self._concrete[key] = self._function.get_concrete_function(*specs, **fixed)
+        return self._concrete[key](*tensors, **fixed)
+
+    def tracing_count(self):
+        return self._function.experimental_get_tracing_count()
 
 
 def _optional(function, value):

@@ -100,53 +100,84 @@ def measured_mean_gsnrs(
     moments_in_branch: Callable[[], Sequence[tuple[tf.Tensor, tf.Tensor]]] | None = None,
 ) -> list[tf.Tensor]:
     """`measured_mean_gsnr` of each variable of `moments`, a list of
-    ``(gbar, s)`` pairs, with one conditional for all of them.
+    ``(gbar, s)`` pairs, with one conditional for all of them:
+    `mean_gsnrs_of_element_sums` of their `gsnr_element_sums`, the masked
+    branch `masked_mean_gsnrs`.
 
     `moments_in_branch`, if given, makes the same pairs again inside the
-    branch that sums the measured elements, from what `moments` were made
-    of. Under XLA a conditional's inputs are stored whole before it runs:
-    moments derived from an update's inputs (``s = R * S2``) would then
-    cost a write and a read each at every update, where made in the branch
-    they cost nothing unless it runs.
-
-    Usually every element is measured, and one reduction per variable gives
-    its mean: the sum of ``(gbar^2 + (s - s)) / max(s - gbar^2, epsilon * s)``,
-    which is the raw GSNR where s is finite and positive, and NaN where it
-    is not (``s - s`` is NaN for an Inf or NaN s; where s == 0 the
-    quotient is 0 / 0). Only when some variable's sum is not finite (an
-    unmeasured element, or a floor that underflowed) are the measured
-    elements and their count summed apart, for every variable, in a branch
-    that does not run otherwise; the selects and the count made the dense
-    update 1.3x dearer when they ran at every update, and a conditional
-    per variable made a ResNet-50 update's trace and XLA compilation
-    dearer than one for all (docs/RESULTS.md).
+    masked branch, from what `moments` were made of. Under XLA a
+    conditional's inputs are stored whole before it runs: moments derived
+    from an update's inputs (``s = R * S2``) would then cost a write and a
+    read each at every update, where made in the branch they cost nothing
+    unless it runs.
     """
+    moments = list(moments)
+    return mean_gsnrs_of_element_sums(
+        gsnr_element_sums(moments, epsilon),
+        [tf.size(second_moment) for _, second_moment in moments],
+        lambda: masked_mean_gsnrs(
+            moments if moments_in_branch is None else moments_in_branch(), epsilon
+        ),
+    )
+
+
+def gsnr_element_sums(
+    moments: Sequence[tuple[tf.Tensor, tf.Tensor]], epsilon: Scalar
+) -> list[tf.Tensor]:
+    """Per ``(gbar, s)`` pair of `moments`, the sum over every element of
+    ``(gbar^2 + (s - s)) / max(s - gbar^2, epsilon * s)``: the sum of its
+    raw GSNR where every element is measured, and not finite where one is
+    not (``s - s`` is NaN for an Inf or NaN s; where s == 0 the quotient
+    is 0 / 0). One reduction per variable, with no select and no count."""
     totals = []
     for gradient_mean, second_moment in moments:
         squared_mean, denominator = _gsnr_terms(gradient_mean, second_moment, epsilon)
         totals.append(tf.reduce_sum((squared_mean + (second_moment - second_moment)) / denominator))
-    if not totals:
+    return totals
+
+
+def masked_mean_gsnrs(
+    moments: Sequence[tuple[tf.Tensor, tf.Tensor]], epsilon: Scalar
+) -> list[tf.Tensor]:
+    """Per ``(gbar, s)`` pair of `moments`, the mean of `raw_gsnr` over its
+    `measured_elements` (0 if there are none), by selects and a count."""
+    return [
+        _mean_where_measured(
+            measured_elements(second_moment), raw_gsnr(gradient_mean, second_moment, epsilon)
+        )
+        for gradient_mean, second_moment in moments
+    ]
+
+
+def mean_gsnrs_of_element_sums(
+    element_sums: Sequence[tf.Tensor],
+    sizes: Sequence[int | tf.Tensor],
+    masked_means: Callable[[], Sequence[tf.Tensor]],
+) -> list[tf.Tensor]:
+    """The layer means of eq. 8 from `gsnr_element_sums` of variables of
+    `sizes` elements: each sum over its size when every sum is finite (every
+    element measured: the usual case), else `masked_means()`, the
+    `masked_mean_gsnrs` of the same variables, for all of them.
+
+    One conditional for all the variables: the selects and the count made
+    the dense update 1.3x dearer when they ran at every update, and a
+    conditional per variable made a ResNet-50 update's trace and XLA
+    compilation dearer than one for all (docs/RESULTS.md). The masked
+    branch runs only when it is taken; `masked_means` may call a program
+    of its own, so that where it never runs it is never compiled.
+    """
+    element_sums = list(element_sums)
+    if not element_sums:
         return []
-    finite = tf.reduce_all(tf.math.is_finite(tf.stack(totals)))
+    finite = tf.reduce_all(tf.math.is_finite(tf.stack(element_sums)))
 
     def over_every_element():
         return [
-            tf.math.divide_no_nan(total, tf.cast(tf.size(second_moment), tf.float32))
-            for total, (_, second_moment) in zip(totals, moments)
+            tf.math.divide_no_nan(total, tf.cast(size, tf.float32))
+            for total, size in zip(element_sums, sizes)
         ]
 
-    def over_the_measured():
-        return [
-            _mean_where_measured(
-                measured_elements(second_moment),
-                raw_gsnr(gradient_mean, second_moment, epsilon),
-            )
-            for gradient_mean, second_moment in (
-                moments if moments_in_branch is None else moments_in_branch()
-            )
-        ]
-
-    return tf.cond(finite, over_every_element, over_the_measured)
+    return tf.cond(finite, over_every_element, lambda: list(masked_means()))
 
 
 def normalized_clipped_gsnr(

@@ -18,10 +18,13 @@ from tf_vrgd._gsnr_rule import Scalar as Scalar
 from tf_vrgd._gsnr_rule import TensorLike as TensorLike
 from tf_vrgd._gsnr_rule import corrected_gsnr_momentum as corrected_gsnr_momentum
 from tf_vrgd._gsnr_rule import gradient_moments as gradient_moments
+from tf_vrgd._gsnr_rule import gsnr_element_sums as gsnr_element_sums
 from tf_vrgd._gsnr_rule import gsnr_momentum as gsnr_momentum
 from tf_vrgd._gsnr_rule import gsnr_momentum_correction as gsnr_momentum_correction
 from tf_vrgd._gsnr_rule import gsnr_scale as gsnr_scale
 from tf_vrgd._gsnr_rule import gsnr_statistics as gsnr_statistics
+from tf_vrgd._gsnr_rule import masked_mean_gsnrs as masked_mean_gsnrs
+from tf_vrgd._gsnr_rule import mean_gsnrs_of_element_sums as mean_gsnrs_of_element_sums
 from tf_vrgd._gsnr_rule import measured_elements as measured_elements
 from tf_vrgd._gsnr_rule import measured_mean_gsnr as measured_mean_gsnr
 from tf_vrgd._gsnr_rule import measured_mean_gsnrs as measured_mean_gsnrs
