@@ -282,6 +282,19 @@ def test_measured_mean_gsnr_of_nothing_measured_is_zero():
     assert float(functional.measured_mean_gsnr(empty, empty, 1e-6)) == 0.0
 
 
+def test_where_measured_selects_and_its_mean_ignores_nan_outside():
+    # NaN and Inf outside the measured elements must not leak into the
+    # result (a product by the mask would give NaN * 0 = NaN).
+    values = np.array([[1.5, np.nan, -2.0], [np.inf, 4.0, 0.5]], np.float32)
+    measured = np.isfinite(values) & (values != 0.5)
+    got = functional.where_measured(tf.constant(measured), tf.constant(values))
+    np.testing.assert_array_equal(got, np.where(measured, values, 0.0))
+    mean = functional.mean_where_measured(tf.constant(measured), tf.constant(values))
+    np.testing.assert_allclose(float(mean), values[measured].mean(), rtol=1e-6)
+    nothing = tf.zeros((2, 3), tf.bool)
+    assert float(functional.mean_where_measured(nothing, tf.constant(values))) == 0.0
+
+
 def test_gsnr_of_identical_samples_is_one_and_finite():
     sample = RNG.standard_normal((4, 3)).astype(np.float32)
     mean = tf.constant(sample)

@@ -1,183 +1,26 @@
 """The GSNR rule of the VR optimizers as pure tensor arithmetic
-(docs/algorithms.md §1-3 and §7): the moments of the gradient samples, the
-raw and the normalised, clipped GSNR, its momentum, the statistics and the
-noise-scale terms, and the rule between GSNR updates.
+(docs/algorithms.md §2-3 and §7), from the moments and the raw GSNR of
+`tf_vrgd._gsnr_moments`: the normalised, clipped GSNR, its momentum, the
+statistics and the noise-scale terms, and the rule between GSNR updates.
 
 Public through `tf_vrgd.functional`, which re-exports every public name
 here; stateless like the rest of it.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import tensorflow as tf
 
-# A tensor, a variable, an IndexedSlices or anything tf.convert_to_tensor takes.
-TensorLike = tf.Tensor | tf.Variable | tf.IndexedSlices | float
-# A Python number or a scalar tensor.
-Scalar = float | tf.Tensor
-
-
-def gradient_moments(
-    sum_of_gradients: tf.Tensor,
-    sum_of_squares: tf.Tensor,
-    replicas: int,
-    accumulation_steps: int,
-) -> tuple[tf.Tensor, tf.Tensor]:
-    """Mean and second moment of the k = replicas x accumulation_steps
-    gradient samples, from the all-reduced sums of the scaled samples.
-
-    Under `tf.distribute`, Keras scales each replica's loss by 1/R, so a
-    replica contributes `g_d / R` (and `(g_d / R)^2`) for each of its A
-    micro-steps. With ``S1 = sum(g_d / R)`` and ``S2 = sum((g_d / R)^2)`` over
-    all k samples:
-
-        gbar = S1 / A          s = R * S2 / A
-
-    This is the only place where that scaling is undone. `replicas` and
-    `accumulation_steps` are Python numbers.
-    """
-    steps = float(accumulation_steps)
-    gradient_mean = sum_of_gradients if steps == 1.0 else sum_of_gradients / steps
-    second_moment = sum_of_squares * (float(replicas) / steps)
-    return gradient_mean, second_moment
-
-
-def sample_moments(
-    sum_of_samples: tf.Tensor, sum_of_squares: tf.Tensor, count: Scalar
-) -> tuple[tf.Tensor, tf.Tensor]:
-    """Mean and second moment ``(S1 / n, S2 / n)`` of n gradient samples
-    from their sums (accumulated samples, Keras' 1/R scaling undone)."""
-    return sum_of_samples / count, sum_of_squares / count
-
-
-def raw_gsnr(gradient_mean: tf.Tensor, second_moment: tf.Tensor, epsilon: Scalar) -> tf.Tensor:
-    """Element-wise GSNR ``gbar^2 / max(var, epsilon * s)``, 0 where s == 0.
-
-    ``var = max(s - gbar^2, 0)`` is the population variance of the samples
-    (the paper's eq. 7). The floor ``epsilon * s`` lies above float32
-    cancellation noise in ``s - gbar^2``, so samples that agree to round-off
-    get one and the same value, and caps the ratio near ``1 / epsilon``.
-
-    Where ``s > 0`` the floor is positive, so ``max(s - gbar^2, epsilon * s)``
-    is ``max(var, epsilon * s)``; where ``s == 0`` every sample is 0, the
-    denominator is 0 and `divide_no_nan` gives the 0 the rule asks for.
-    """
-    squared_mean, denominator = _gsnr_terms(gradient_mean, second_moment, epsilon)
-    return tf.math.divide_no_nan(squared_mean, denominator)
-
-
-def _gsnr_terms(gradient_mean, second_moment, epsilon):
-    """``(gbar^2, max(s - gbar^2, epsilon * s))``: `raw_gsnr`'s numerator
-    and floored denominator."""
-    squared_mean = tf.square(gradient_mean)
-    return squared_mean, tf.maximum(second_moment - squared_mean, epsilon * second_moment)
-
-
-def measured_elements(second_moment: tf.Tensor) -> tf.Tensor:
-    """Where the GSNR exists: the elements with a finite s > 0, those for
-    which some sample is non-zero and none is Inf or NaN (docs/algorithms.md
-    §2). An element with s == 0 (a row of an embedding table that no sample
-    looked up, a dead unit) takes no part in the layer mean and leaves its
-    GSNR momentum as it was; so does an element with a non-finite sample,
-    so that it spoils its own update only (as in Keras' optimizers), not
-    its layer's mean."""
-    return tf.logical_and(second_moment > 0.0, second_moment < float("inf"))
-
-
-def measured_mean_gsnr(
-    gradient_mean: tf.Tensor, second_moment: tf.Tensor, epsilon: Scalar
-) -> tf.Tensor:
-    """The mean of `raw_gsnr` over the `measured_elements` of one variable
-    (0 if there are none): the layer mean of eq. 8. One variable's
-    `measured_mean_gsnrs`."""
-    return measured_mean_gsnrs([(gradient_mean, second_moment)], epsilon)[0]
-
-
-def measured_mean_gsnrs(
-    moments: Sequence[tuple[tf.Tensor, tf.Tensor]],
-    epsilon: Scalar,
-    moments_in_branch: Callable[[], Sequence[tuple[tf.Tensor, tf.Tensor]]] | None = None,
-) -> list[tf.Tensor]:
-    """`measured_mean_gsnr` of each variable of `moments`, a list of
-    ``(gbar, s)`` pairs, with one conditional for all of them:
-    `mean_gsnrs_of_element_sums` of their `gsnr_element_sums`, the masked
-    branch `masked_mean_gsnrs`.
-
-    `moments_in_branch`, if given, makes the same pairs again inside the
-    masked branch, from what `moments` were made of. Under XLA a
-    conditional's inputs are stored whole before it runs: moments derived
-    from an update's inputs (``s = R * S2``) would then cost a write and a
-    read each at every update, where made in the branch they cost nothing
-    unless it runs.
-    """
-    moments = list(moments)
-    return mean_gsnrs_of_element_sums(
-        gsnr_element_sums(moments, epsilon),
-        [tf.size(second_moment) for _, second_moment in moments],
-        lambda: masked_mean_gsnrs(
-            moments if moments_in_branch is None else moments_in_branch(), epsilon
-        ),
-    )
-
-
-def gsnr_element_sums(
-    moments: Sequence[tuple[tf.Tensor, tf.Tensor]], epsilon: Scalar
-) -> list[tf.Tensor]:
-    """Per ``(gbar, s)`` pair of `moments`, the sum over every element of
-    ``(gbar^2 + (s - s)) / max(s - gbar^2, epsilon * s)``: the sum of its
-    raw GSNR where every element is measured, and not finite where one is
-    not (``s - s`` is NaN for an Inf or NaN s; where s == 0 the quotient
-    is 0 / 0). One reduction per variable, with no select and no count."""
-    totals = []
-    for gradient_mean, second_moment in moments:
-        squared_mean, denominator = _gsnr_terms(gradient_mean, second_moment, epsilon)
-        totals.append(tf.reduce_sum((squared_mean + (second_moment - second_moment)) / denominator))
-    return totals
-
-
-def masked_mean_gsnrs(
-    moments: Sequence[tuple[tf.Tensor, tf.Tensor]], epsilon: Scalar
-) -> list[tf.Tensor]:
-    """Per ``(gbar, s)`` pair of `moments`, the mean of `raw_gsnr` over its
-    `measured_elements` (0 if there are none), by selects and a count."""
-    return [
-        _mean_where_measured(
-            measured_elements(second_moment), raw_gsnr(gradient_mean, second_moment, epsilon)
-        )
-        for gradient_mean, second_moment in moments
-    ]
-
-
-def mean_gsnrs_of_element_sums(
-    element_sums: Sequence[tf.Tensor],
-    sizes: Sequence[int | tf.Tensor],
-    masked_means: Callable[[], Sequence[tf.Tensor]],
-) -> list[tf.Tensor]:
-    """The layer means of eq. 8 from `gsnr_element_sums` of variables of
-    `sizes` elements: each sum over its size when every sum is finite (every
-    element measured: the usual case), else `masked_means()`, the
-    `masked_mean_gsnrs` of the same variables, for all of them.
-
-    One conditional for all the variables: the selects and the count made
-    the dense update 1.3x dearer when they ran at every update, and a
-    conditional per variable made a ResNet-50 update's trace and XLA
-    compilation dearer than one for all (docs/RESULTS.md). The masked
-    branch runs only when it is taken; `masked_means` may call a program
-    of its own, so that where it never runs it is never compiled.
-    """
-    element_sums = list(element_sums)
-    if not element_sums:
-        return []
-    finite = tf.reduce_all(tf.math.is_finite(tf.stack(element_sums)))
-
-    def over_every_element():
-        return [
-            tf.math.divide_no_nan(total, tf.cast(size, tf.float32))
-            for total, size in zip(element_sums, sizes)
-        ]
-
-    return tf.cond(finite, over_every_element, lambda: list(masked_means()))
+from tf_vrgd._gsnr_moments import (
+    Scalar,
+    TensorLike,
+    mean_where_measured,
+    measured_elements,
+    measured_mean_gsnr,
+    raw_gsnr,
+    where_measured,
+)
 
 
 def normalized_clipped_gsnr(
@@ -197,7 +40,7 @@ def normalized_clipped_gsnr(
     if layer_mean is None and measured is None:
         layer_mean = tf.reduce_mean(gsnr)
     elif layer_mean is None:
-        layer_mean = _mean_where_measured(measured, gsnr)
+        layer_mean = mean_where_measured(measured, gsnr)
     floor = tf.where(layer_mean > 0.0, tf.cast(gamma, tf.float32), 1.0)
     return tf.clip_by_value(tf.math.divide_no_nan(gsnr, layer_mean), floor, 1.0)
 
@@ -223,7 +66,7 @@ def segment_normalized_clipped_gsnr(
         elements of each.
     """
     if measured is not None:
-        gsnr = _where_measured(measured, gsnr)
+        gsnr = where_measured(measured, gsnr)
     totals = tf.math.unsorted_segment_sum(
         tf.cast(gsnr, tf.float64), segment_ids, num_segments=len(sizes)
     )
@@ -257,7 +100,7 @@ def segment_gsnr_statistics(
         [tf.cast(scale <= gamma, tf.float32), tf.cast(scale >= 1.0, tf.float32), applied], axis=1
     )
     if measured is not None:
-        columns = _where_measured(measured[:, None], columns)
+        columns = where_measured(measured[:, None], columns)
     sums = tf.math.unsorted_segment_sum(columns, segment_ids, tf.shape(counts)[0])
     return tf.concat([layer_means[:, None], tf.math.divide_no_nan(sums, counts[:, None])], axis=1)
 
@@ -291,7 +134,7 @@ def gsnr_statistics(
         return tf.stack([tf.reduce_mean(c) for c in columns])
     count = tf.reduce_sum(tf.cast(measured, tf.float32))
     return tf.stack(
-        [tf.math.divide_no_nan(tf.reduce_sum(_where_measured(measured, c)), count) for c in columns]
+        [tf.math.divide_no_nan(tf.reduce_sum(where_measured(measured, c)), count) for c in columns]
     )
 
 
@@ -305,7 +148,7 @@ def noise_sums(
     and the mean of their squared norms (|G_small|^2)."""
     columns = [tf.square(gradient_mean), second_moment]
     if measured is not None:
-        columns = [_where_measured(measured, c) for c in columns]
+        columns = [where_measured(measured, c) for c in columns]
     return tf.stack([tf.reduce_sum(c) for c in columns])
 
 
@@ -319,22 +162,8 @@ def segment_noise_sums(
     """`noise_sums` of each variable of a packed vector: ``[variables, 2]``."""
     columns = tf.stack([tf.square(gradient_mean), second_moment], axis=1)
     if measured is not None:
-        columns = _where_measured(measured[:, None], columns)
+        columns = where_measured(measured[:, None], columns)
     return tf.math.unsorted_segment_sum(columns, segment_ids, variables)
-
-
-def _mean_where_measured(measured: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
-    """The mean of `values` over the `measured` elements, 0 if none is."""
-    return tf.math.divide_no_nan(
-        tf.reduce_sum(_where_measured(measured, values)),
-        tf.reduce_sum(tf.cast(measured, tf.float32)),
-    )
-
-
-def _where_measured(measured: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
-    """`values` where `measured`, 0 elsewhere (a select, not a product:
-    an unmeasured element may hold NaN, and NaN * 0 is NaN)."""
-    return tf.where(measured, values, tf.zeros_like(values))
 
 
 def gsnr_momentum(
