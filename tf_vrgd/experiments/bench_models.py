@@ -71,6 +71,17 @@ def encoder(
     return keras.Model(tokens, keras.layers.Dense(classes)(x))
 
 
+def tables(count=26, rows=1000, width=16, classes=10):
+    """DLRM's categorical side in small: `count` embedding tables of
+    `rows` x `width` (26 as for Criteo's categorical features), one id per
+    table and example, concatenated into a two-layer head. The tables'
+    gradients arrive as `tf.IndexedSlices` (the VR row-sparse path)."""
+    ids = keras.Input((count,), dtype="int32")
+    columns = [keras.layers.Embedding(rows, width)(ids[:, i]) for i in range(count)]
+    x = keras.layers.Dense(64, activation="relu")(keras.layers.Concatenate()(columns))
+    return keras.Model(ids, keras.layers.Dense(classes)(x))
+
+
 def parameter_count(model):
     return int(sum(np.prod(v.shape) for v in model.trainable_variables))
 
@@ -92,6 +103,8 @@ def make_batch(model_name, global_batch, rng, image_size=32):
     }
     if model_name == "encoder":
         x = rng.integers(0, 1000, (global_batch, 32)).astype(np.int32)
+    elif model_name == "tables":
+        x = rng.integers(0, 1000, (global_batch, 26)).astype(np.int32)
     else:
         x = rng.random((global_batch, *shapes[model_name]), np.float32)
     return x, rng.integers(0, 10, global_batch).astype(np.int32)

@@ -28,6 +28,7 @@ from tf_vrgd.experiments.bench_models import (
     mlp,
     parameter_count,
     resnet50,
+    tables,
     thin_mlp,
 )
 from tf_vrgd.experiments.timing import (
@@ -191,6 +192,7 @@ MODEL_FACTORIES = {
     "cnn": lambda settings: cnn(),
     "resnet50": lambda settings: resnet50(size=settings.image_size),
     "encoder": lambda settings: encoder(),
+    "tables": lambda settings: tables(),
 }
 # Models measured at a fixed batch per replica (`--batch-per-replica`) rather
 # than at the global `--batch`.
