@@ -276,3 +276,92 @@ def test_the_noise_terms_sum_over_the_touched_rows(strategy, accumulation):
         )
         ref.assert_close(big[i], expected_big, "noise term |G_big|^2 (rows)", rtol=1e-5)
         ref.assert_close(small[i], expected_small, "noise term |G_small|^2 (rows)", rtol=1e-5)
+
+
+# Tables of rows of one shape travel as one message (stacked, then split
+# back on each device); a table of another width travels alone.
+TABLES = [(40, 3), (25, 3), (12, 5), (7, 3)]
+
+
+@pytest.mark.parametrize("accumulation", [None, 2])
+@pytest.mark.parametrize("name", ["VR-Momentum beta_3", "VR-Adam"])
+def test_several_tables_match_the_reference(strategy, name, accumulation):
+    case = CASES[name]
+    replicas, steps = strategy.num_replicas_in_sync, 3 * (accumulation or 1)
+    rng = np.random.default_rng(7)
+    initial = [rng.standard_normal(shape).astype(np.float32) for shape in TABLES]
+    initial.append(rng.standard_normal(KERNEL).astype(np.float32))
+    # [step][replica][table] (ids, values): some ids repeated within a
+    # replica and across replicas, some tables with one row of a replica.
+    stream = [
+        [
+            [
+                (
+                    ids := rng.integers(0, rows, 1 + (t + r + s) % 4).astype(np.int32),
+                    rng.standard_normal((len(ids), width)).astype(np.float32),
+                )
+                for t, (rows, width) in enumerate(TABLES)
+            ]
+            for r in range(replicas)
+        ]
+        for s in range(steps)
+    ]
+    kernels = rng.standard_normal((steps, replicas, *KERNEL)).astype(np.float32)
+    with strategy.scope():
+        variables = [keras.Variable(w, name=f"table_{i}") for i, w in enumerate(initial)]
+        optimizer = case.make(gradient_accumulation_steps=accumulation)
+        optimizer.build(variables)
+
+    def apply(step):
+        def replica_fn():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            grads = []
+            for t, (rows, width) in enumerate(TABLES):
+                ids = tf.stack([tf.constant(stream[step][r][t][0]) for r in range(replicas)], 0)
+                values = [stream[step][r][t][1] / replicas for r in range(replicas)]
+                # Each replica picks its own (equally long per table here).
+                grads.append(
+                    tf.IndexedSlices(
+                        tf.gather(tf.constant(np.stack(values)), replica),
+                        tf.gather(ids, replica),
+                        tf.constant([rows, width], tf.int64),
+                    )
+                )
+            grads.append(tf.gather(tf.constant(kernels[step] / replicas), replica))
+            optimizer.apply(grads, variables)
+
+        strategy.run(replica_fn)
+
+    for step in range(steps):
+        # Lengths differ between replicas: pad each replica's ids to the
+        # longest by repeating its first id with zero values (a repeat
+        # adds nothing to the row's sum).
+        for t in range(len(TABLES)):
+            longest = max(len(stream[step][r][t][0]) for r in range(replicas))
+            for r in range(replicas):
+                ids, values = stream[step][r][t]
+                pad = longest - len(ids)
+                stream[step][r][t] = (
+                    np.concatenate([ids, np.repeat(ids[:1], pad)]),
+                    np.concatenate([values, np.zeros((pad, values.shape[1]), np.float32)]),
+                )
+        tf.function(lambda step=step: apply(step))()
+
+    reference = ref.VRReference(
+        initial, case.rule, 0.1, case.beta_3, row_sparse=set(range(len(TABLES)))
+    )
+    micro = accumulation or 1
+    for u in range(steps // micro):
+        samples = [[] for _ in range(len(TABLES) + 1)]
+        for s in range(u * micro, (u + 1) * micro):
+            for r in range(replicas):
+                for t, (rows, width) in enumerate(TABLES):
+                    table = np.zeros((rows, width))
+                    np.add.at(table, stream[s][r][t][0], stream[s][r][t][1].astype(np.float64))
+                    samples[t].append(table)
+                samples[-1].append(kernels[s, r].astype(np.float64))
+        expected = reference.update([np.stack(x) for x in samples])
+    for i, (variable, want) in enumerate(zip(variables, expected)):
+        ref.assert_close(
+            variable.numpy(), want, f"{name} table {i} of several (A = {accumulation})", rtol=1e-4
+        )

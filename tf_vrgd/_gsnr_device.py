@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_vrgd import functional
 from tf_vrgd._gsnr_intake import flatten
-from tf_vrgd._gsnr_rows import RowSparsePrograms, reduced_moments
+from tf_vrgd._gsnr_rows import RowSparsePrograms, reduced_moments, row_bundles
 from tf_vrgd._keras_adapters import decay as _decay
 from tf_vrgd._keras_adapters import tf_variable as _tf_variable
 from tf_vrgd.statistics import variable_size
@@ -31,15 +31,19 @@ class DevicePrograms(RowSparsePrograms):
         self, distribution, sums, squares, samples, variables, indices, groups
     ):
         # `sums` and `squares` in `grouped`'s order: the large dense
-        # variables, the row-sparse ones, then the small dense ones as one
-        # flat vector.
+        # variables, the row-sparse ones (as `bundled_rows`), then the small
+        # dense ones as one flat vector.
         large, sparse, packed = groups
         tf_variables = [_tf_variable(v) for v in variables]
         # Where each message goes (a variable's devices); the flat vector
         # goes where the first small variable lives.
-        targets = [tf_variables[j] for j in large + sparse] + [tf_variables[j] for j in packed[:1]]
+        # (The row-sparse ones as `row_bundles`: one message per bundle,
+        # sent where its first table lives.)
+        bundles = row_bundles([variables[j].shape for j in sparse])
+        firsts = tuple(sparse[positions[0]] for positions, _ in bundles)
+        targets = [tf_variables[j] for j in large + firsts] + [tf_variables[j] for j in packed[:1]]
         dense = list(range(len(large))) + ([len(sums) - 1] if packed else [])
-        rows_of = range(len(large), len(large) + len(sparse))
+        rows_of = range(len(large), len(large) + len(bundles))
         large_indices = tuple(indices[j] for j in large)
         packed_indices = tuple(indices[j] for j in packed)
         sparse_indices = tuple(indices[j] for j in sparse)
@@ -81,7 +85,7 @@ class DevicePrograms(RowSparsePrograms):
                 args=(
                     reduced[:count],
                     dense_squares,
-                    reduced[rows_start : rows_start + len(sparse)],
+                    reduced[rows_start : rows_start + len(bundles)],
                     sample_count,
                     learning_rate,
                     self._gsnr_update_count(),
