@@ -281,6 +281,7 @@ def test_the_noise_terms_sum_over_the_touched_rows(strategy, accumulation):
 # Tables of rows of one shape travel as one message (stacked, then split
 # back on each device); a table of another width travels alone.
 TABLES = [(40, 3), (25, 3), (12, 5), (7, 3)]
+LOOKUPS = [4, 1, 3, 2]  # ids per replica and step, in each table
 
 
 @pytest.mark.parametrize("accumulation", [None, 2])
@@ -291,20 +292,15 @@ def test_several_tables_match_the_reference(strategy, name, accumulation):
     rng = np.random.default_rng(7)
     initial = [rng.standard_normal(shape).astype(np.float32) for shape in TABLES]
     initial.append(rng.standard_normal(KERNEL).astype(np.float32))
-    # [step][replica][table] (ids, values): some ids repeated within a
-    # replica and across replicas, some tables with one row of a replica.
-    stream = [
-        [
-            [
-                (
-                    ids := rng.integers(0, rows, 1 + (t + r + s) % 4).astype(np.int32),
-                    rng.standard_normal((len(ids), width)).astype(np.float32),
-                )
-                for t, (rows, width) in enumerate(TABLES)
-            ]
-            for r in range(replicas)
-        ]
-        for s in range(steps)
+    # Per table, [step, replica, lookup] ids (repeats within and across
+    # replicas) and their rows' gradients.
+    ids = [
+        rng.integers(0, rows, (steps, replicas, n)).astype(np.int32)
+        for (rows, _), n in zip(TABLES, LOOKUPS)
+    ]
+    values = [
+        rng.standard_normal((steps, replicas, n, width)).astype(np.float32)
+        for (_, width), n in zip(TABLES, LOOKUPS)
     ]
     kernels = rng.standard_normal((steps, replicas, *KERNEL)).astype(np.float32)
     with strategy.scope():
@@ -312,40 +308,20 @@ def test_several_tables_match_the_reference(strategy, name, accumulation):
         optimizer = case.make(gradient_accumulation_steps=accumulation)
         optimizer.build(variables)
 
-    def apply(step):
+    @tf.function
+    def apply(ids, values, kernels):
         def replica_fn():
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            grads = []
-            for t, (rows, width) in enumerate(TABLES):
-                ids = tf.stack([tf.constant(stream[step][r][t][0]) for r in range(replicas)], 0)
-                values = [stream[step][r][t][1] / replicas for r in range(replicas)]
-                # Each replica picks its own (equally long per table here).
-                grads.append(
-                    tf.IndexedSlices(
-                        tf.gather(tf.constant(np.stack(values)), replica),
-                        tf.gather(ids, replica),
-                        tf.constant([rows, width], tf.int64),
-                    )
-                )
-            grads.append(tf.gather(tf.constant(kernels[step] / replicas), replica))
-            optimizer.apply(grads, variables)
+            grads = [
+                tf.IndexedSlices(v[replica] / replicas, i[replica], tf.constant(shape, tf.int64))
+                for i, v, shape in zip(ids, values, TABLES)
+            ]
+            optimizer.apply(grads + [kernels[replica] / replicas], variables)
 
         strategy.run(replica_fn)
 
     for step in range(steps):
-        # Lengths differ between replicas: pad each replica's ids to the
-        # longest by repeating its first id with zero values (a repeat
-        # adds nothing to the row's sum).
-        for t in range(len(TABLES)):
-            longest = max(len(stream[step][r][t][0]) for r in range(replicas))
-            for r in range(replicas):
-                ids, values = stream[step][r][t]
-                pad = longest - len(ids)
-                stream[step][r][t] = (
-                    np.concatenate([ids, np.repeat(ids[:1], pad)]),
-                    np.concatenate([values, np.zeros((pad, values.shape[1]), np.float32)]),
-                )
-        tf.function(lambda step=step: apply(step))()
+        apply([i[step] for i in ids], [v[step] for v in values], kernels[step])
 
     reference = ref.VRReference(
         initial, case.rule, 0.1, case.beta_3, row_sparse=set(range(len(TABLES)))
@@ -353,13 +329,13 @@ def test_several_tables_match_the_reference(strategy, name, accumulation):
     micro = accumulation or 1
     for u in range(steps // micro):
         samples = [[] for _ in range(len(TABLES) + 1)]
-        for s in range(u * micro, (u + 1) * micro):
+        for step in range(u * micro, (u + 1) * micro):
             for r in range(replicas):
-                for t, (rows, width) in enumerate(TABLES):
-                    table = np.zeros((rows, width))
-                    np.add.at(table, stream[s][r][t][0], stream[s][r][t][1].astype(np.float64))
+                for t, shape in enumerate(TABLES):
+                    table = np.zeros(shape)
+                    np.add.at(table, ids[t][step, r], values[t][step, r].astype(np.float64))
                     samples[t].append(table)
-                samples[-1].append(kernels[s, r].astype(np.float64))
+                samples[-1].append(kernels[step, r].astype(np.float64))
         expected = reference.update([np.stack(x) for x in samples])
     for i, (variable, want) in enumerate(zip(variables, expected)):
         ref.assert_close(
