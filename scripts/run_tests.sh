@@ -13,13 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 ensure_venv test
-# .venv-mg is set up while the first run tests (its installs wait on the
-# package index and the disk more than on the cores); its output is shown
-# if it fails.
-mg_log="$(mktemp)"
-ensure_model_garden_venv > "$mg_log" 2>&1 &
-mg_setup=$!
-trap 'kill "$mg_setup" 2> /dev/null || true; rm -f "$mg_log"' EXIT
+ensure_model_garden_venv
 workers="${TF_VRGD_TEST_WORKERS:-$(
     .venv/bin/python -c 'import os; print(min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(), 4))'
 )}"
@@ -30,9 +24,4 @@ fi
 # long end-to-end tests near the end of the collection do not leave a core idle.
 .venv/bin/python -m pytest -n "$workers" --dist worksteal --ignore=tests/model_garden "$@"
 echo "--- tests/model_garden, in .venv-mg (tf_keras and Model Garden) ---"
-if ! wait "$mg_setup"; then
-    cat "$mg_log"
-    echo "setting up .venv-mg failed" >&2
-    exit 1
-fi
 .venv-mg/bin/python -m pytest -n "$workers" --dist worksteal tests/model_garden "$@"
