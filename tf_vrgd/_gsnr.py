@@ -65,6 +65,7 @@ from tf_vrgd._gsnr_intake import (
     square_messages,
     update_groups,
 )
+from tf_vrgd._gsnr_rows import bundled_rows, row_bundles
 from tf_vrgd._keras_adapters import (
     Untracked,
     apply_moving_average,
@@ -322,6 +323,13 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
                 # Read in the GSNR branch of `_cross_replica_update` only.
                 if not isinstance(gradient, tf.IndexedSlices):
                     square.set_shape(gradient.shape)
+        if sparse:
+            # One message per bundle of tables with rows of one shape.
+            bundles = row_bundles([trainable_variables[j].shape for j in sparse])
+            part = slice(len(groups[0]), len(groups[0]) + len(sparse))
+            sums, squares = list(sums), list(squares)
+            sums[part] = bundled_rows(sums[part], bundles)
+            squares[part] = bundled_rows(squares[part], bundles)
         replica_context.merge_call(
             self._cross_replica_update,
             args=(sums, squares, samples, list(trainable_variables), indices, groups),

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_vrgd import functional
 from tf_vrgd._gsnr_intake import flatten
-from tf_vrgd._gsnr_rows import RowSparsePrograms, reduced_moments
+from tf_vrgd._gsnr_rows import RowSparsePrograms, reduced_moments, row_bundles
 from tf_vrgd._keras_adapters import decay as _decay
 from tf_vrgd._keras_adapters import tf_variable as _tf_variable
 from tf_vrgd.statistics import variable_size
@@ -33,11 +33,13 @@ class DevicePrograms(RowSparsePrograms):
         # `sums` and `squares` in `grouped`'s order: the large dense
         # variables, the row-sparse ones (as `bundled_rows`), then the small
         # dense ones as one flat vector.
-        large, sparse, packed, bundles = groups
+        large, sparse, packed = groups
         tf_variables = [_tf_variable(v) for v in variables]
         # Where each message goes (a variable's devices); the flat vector
         # goes where the first small variable lives.
-        # A bundle of row-sparse tables goes where its first table lives.
+        # (The row-sparse ones as `row_bundles`: one message per bundle,
+        # sent where its first table lives.)
+        bundles = row_bundles([variables[j].shape for j in sparse])
         firsts = tuple(sparse[positions[0]] for positions, _ in bundles)
         targets = [tf_variables[j] for j in large + firsts] + [tf_variables[j] for j in packed[:1]]
         dense = list(range(len(large))) + ([len(sums) - 1] if packed else [])
@@ -63,7 +65,7 @@ class DevicePrograms(RowSparsePrograms):
             rows_start = 2 * count if measure else count
             learning_rate = tf.convert_to_tensor(self.learning_rate)
             device_update = self._device_update(
-                measure, large_indices, packed_indices, sparse_indices, bundles
+                measure, large_indices, packed_indices, sparse_indices
             )
             # `fn` runs once per device holding the variables, inside that
             # device's update context: one compiled program per device updates
@@ -101,13 +103,10 @@ class DevicePrograms(RowSparsePrograms):
             # In cross-replica context, so that no merge_call sits in a cond.
             tf.cond(self._is_update_step(), gsnr_or_scale_update, lambda: None)
 
-    def _device_update(
-        self, measure, indices, packed_indices=(), sparse_indices=(), row_bundles=()
-    ):
+    def _device_update(self, measure, indices, packed_indices=(), sparse_indices=()):
         """The update on one device of the large dense variables at
         `indices`, the small ones at `packed_indices` (their reduced sums as
-        one flat vector) and the row-sparse ones at `sparse_indices` (their
-        reduced rows as one message per bundle of `row_bundles`), made
+        one flat vector) and the row-sparse ones at `sparse_indices`, made
         once per cadence and set of variables and traced once per device.
         At a GSNR update (`measure`) each measures the GSNR from the reduced
         sums and squares; between GSNR updates each applies the last scale
@@ -128,7 +127,7 @@ class DevicePrograms(RowSparsePrograms):
         that device's copy, so each device gets one trace of its own,
         whatever the number of variables.
         """
-        key = (measure, indices, packed_indices, sparse_indices, row_bundles)
+        key = (measure, indices, packed_indices, sparse_indices)
         if key in self._variable_updates:
             return self._variable_updates[key]
         layer_means = None
@@ -140,7 +139,7 @@ class DevicePrograms(RowSparsePrograms):
             packed_update = self._packed_scale_update(packed_indices)
         if self.jit_update:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
-        row_update = self._row_sparse_update(sparse_indices, row_bundles, measure)
+        row_update = self._row_sparse_update(sparse_indices, measure)
         count = len(indices)
 
         # Plain Python over fixed lists, kept from autograph: converted inside

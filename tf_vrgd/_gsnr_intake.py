@@ -20,7 +20,6 @@ import functools
 import tensorflow as tf
 
 from tf_vrgd import functional
-from tf_vrgd._gsnr_rows import bundled_rows, row_bundles
 from tf_vrgd._keras_adapters import is_update_step
 from tf_vrgd._keras_adapters import tf_variable as _tf_variable
 from tf_vrgd.statistics import variable_size
@@ -241,24 +240,21 @@ def replica_copy(slot):
 
 def update_groups(variables, sparse):
     """Positions of `variables` in three groups: large dense (over
-    `PACKED_MAX_ELEMENTS` elements), row-sparse (`sparse`), small dense;
-    and the row-sparse ones' `row_bundles`."""
+    `PACKED_MAX_ELEMENTS` elements), row-sparse (`sparse`), small dense."""
     large, packed = [], []
     for j, variable in enumerate(variables):
         if j not in sparse:
             (packed if variable_size(variable) <= PACKED_MAX_ELEMENTS else large).append(j)
-    bundles = row_bundles([variables[j].shape for j in sparse])
-    return tuple(large), tuple(sparse), tuple(packed), bundles
+    return tuple(large), tuple(sparse), tuple(packed)
 
 
 def grouped(tensors, groups):
     """`tensors` (one per position) in the order of `groups`: the large
-    dense ones, the row-sparse ones as one message per bundle
-    (`bundled_rows`), then the small dense ones concatenated into one flat
-    vector (one message in the collective, one pass on each device)."""
-    large, sparse, packed, bundles = groups
-    out = [tensors[j] for j in large]
-    out += bundled_rows([tensors[j] for j in sparse], bundles)
+    dense ones, the row-sparse ones, then the small dense ones concatenated
+    into one flat vector (one message in the collective, one pass on each
+    device)."""
+    large, sparse, packed = groups
+    out = [tensors[j] for j in large + sparse]
     if packed:
         out.append(flatten([tensors[j] for j in packed]))
     return out

@@ -15,11 +15,10 @@ class RowSparsePrograms:
     the slots are made by `GSNRMixin.build`, and the base rule is applied
     by `DevicePrograms._apply_base_rule`."""
 
-    def _row_sparse_update(self, indices, bundles, measure):
-        """The VR update of the variables at `indices` from row-sparse sums
-        (one message per bundle of `row_bundles`, `bundles`), on one device,
-        at the cost of the rows: the reduced rows of every replica
-        (duplicates across replicas summed), their moments, GSNR
+    def _row_sparse_update(self, indices, measure):
+        """The VR update of the variables at `indices` from row-sparse sums,
+        on one device, at the cost of the rows: the reduced rows of every
+        replica (duplicates across replicas summed), their moments, GSNR
         and momentum (the layer mean over the measured elements: rows no
         sample touched have none), the slots written at those rows, and the
         base rule given the scaled rows as a `tf.IndexedSlices` (as Keras
@@ -42,6 +41,7 @@ class RowSparsePrograms:
             )
 
         shapes = [self._trainable_variables[i].shape for i in indices]
+        bundles = row_bundles(shapes)
 
         def row_update(reduced, samples, learning_rate, step, replicas):
             reduced = unbundled_rows(reduced, bundles, shapes)
