@@ -341,3 +341,86 @@ def test_several_tables_match_the_reference(strategy, name, accumulation):
         ref.assert_close(
             variable.numpy(), want, f"{name} table {i} of several (A = {accumulation})", rtol=1e-4
         )
+
+
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_several_tables_train_under_fit(strategy, accumulation):
+    """Four tables, three of one row shape (stacked into one message), beside
+    a large kernel (the fused program) and a small one (the packed pass), in
+    Keras' compiled training step under `fit`, against the numpy reference.
+
+    The model predicts p = sum_t sum_j E_t[x_t, j] + sum_k sum_j (f_k W_k)_j
+    and minimises the mean squared error. With e_b = 2 (p_b - y_b) / n_r
+    over replica r's n_r examples (Keras' 1/R loss scaling is undone by the
+    optimizer), replica r's sample for table t is, at row i, the sum of e_b
+    over its examples b with x_bt = i, in every column, and for kernel k,
+    at (i, j), the sum over its examples of e_b f_kb,i. MirroredStrategy
+    gives replica r the r-th contiguous quarter of each global batch.
+    """
+    case = CASES["VR-Momentum beta_3"]
+    # Row starts in the stacked message of width 4: 0, 300 and 580, past
+    # the small integers that Python keeps one object of (a start that
+    # travels through `merge_call` as a Python int must come back as one).
+    shapes = [(300, 4), (280, 4), (9, 3), (15, 4)]
+    kernels = [(130, 128), (3, 2)]  # over and under 2^14 elements
+    replicas, per_replica = strategy.num_replicas_in_sync, 4
+    micro = accumulation or 1
+    steps = 3 * micro
+    batch = replicas * per_replica
+    rng = np.random.default_rng(11)
+    ids = np.stack([rng.integers(0, rows, steps * batch) for rows, _ in shapes], axis=1)
+    ids = ids.astype(np.int32)
+    features = [rng.standard_normal((steps * batch, n)).astype(np.float32) for n, _ in kernels]
+    y = rng.standard_normal(steps * batch).astype(np.float32)
+    initial = [(0.3 * rng.standard_normal(shape)).astype(np.float32) for shape in shapes]
+    initial += [(0.01 * rng.standard_normal(shape)).astype(np.float32) for shape in kernels]
+    with strategy.scope():
+        inputs = [keras.Input((len(shapes),), dtype="int32")]
+        inputs += [keras.Input((n,)) for n, _ in kernels]
+        layers = [
+            keras.layers.Embedding(rows, width, weights=[w])
+            for (rows, width), w in zip(shapes, initial)
+        ]
+        layers += [
+            keras.layers.Dense(
+                units, use_bias=False, kernel_initializer=keras.initializers.Constant(w)
+            )
+            for (_, units), w in zip(kernels, initial[len(shapes) :])
+        ]
+        tables, dense = layers[: len(shapes)], layers[len(shapes) :]
+        terms = [keras.ops.sum(table(inputs[0][:, t]), axis=-1) for t, table in enumerate(tables)]
+        terms += [keras.ops.sum(layer(f), axis=-1) for layer, f in zip(dense, inputs[1:])]
+        p = keras.ops.sum(keras.ops.stack(terms, axis=-1), axis=-1, keepdims=True)
+        model = keras.Model(inputs, p)
+        model.compile(optimizer=case.make(gradient_accumulation_steps=accumulation), loss="mse")
+    model.fit([ids, *features], y[:, None], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3
+
+    reference = ref.VRReference(
+        initial, case.rule, 0.1, case.beta_3, row_sparse=set(range(len(shapes)))
+    )
+    weights = [w.astype(np.float64) for w in initial]
+    for u in range(3):
+        samples = [[] for _ in initial]
+        for step in range(u * micro, (u + 1) * micro):
+            for r in range(replicas):
+                rows = slice(step * batch + r * per_replica, step * batch + (r + 1) * per_replica)
+                xs, fs, ys = ids[rows], [f[rows] for f in features], y[rows]
+                p = sum(weights[t][xs[:, t]].sum(axis=1) for t in range(len(shapes)))
+                p = p + sum((f @ w).sum(axis=1) for f, w in zip(fs, weights[len(shapes) :]))
+                error = 2.0 * (p - ys) / per_replica
+                for t, shape in enumerate(shapes):
+                    table = np.zeros(shape)
+                    np.add.at(table, xs[:, t], error[:, None] * np.ones(shape[1]))
+                    samples[t].append(table)
+                for k, (f, (_, units)) in enumerate(zip(fs, kernels)):
+                    gradient = (error[:, None] * f).sum(axis=0)[:, None] * np.ones(units)
+                    samples[len(shapes) + k].append(gradient)
+        weights = reference.update([np.stack(s) for s in samples])
+    for i, (layer, want) in enumerate(zip(layers, weights)):
+        ref.assert_close(
+            layer.weights[0].numpy(),
+            want,
+            f"variable {i} under fit (A = {accumulation})",
+            rtol=1e-4,
+        )
