@@ -120,16 +120,10 @@ def parse_args(argv=None):
         "noise floor for a ratio",
     )
     parser.add_argument(
-        "--jit-update",
-        choices=("auto", "true", "false"),
-        default="auto",
-        help="the VR twins' jit_update (auto: XLA on GPUs, not on CPUs)",
-    )
-    parser.add_argument(
         "--no-xla",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="where the twins compile, time each (each N) without XLA too (--no-no-xla skips it)",
+        help="time each VR twin (each N) without XLA too (--no-no-xla skips it)",
     )
     return parser.parse_args(argv)
 
@@ -154,7 +148,6 @@ def main(argv=None):
             cpus[0], [tf.config.LogicalDeviceConfiguration()] * args.replicas
         )
 
-    args.jit_update = {"auto": "auto", "true": True, "false": False}[args.jit_update]
     from tf_vrgd.experiments import benchmark
 
     output = args.json

@@ -12,8 +12,7 @@ then times Keras' base optimizer, the VR twin of that commit and this
 checkout's VR twin on their own copies of the model, `optimizer.apply` on
 fixed per-replica gradients (`timing.Candidate`), interleaved repetition by
 repetition, and prints the medians and the ratio new / old. Both twins
-take the same `--gsnr-interval` and `jit_update` (True; False with
-`--no-xla`); `--kind "train step"`
+take the same `--gsnr-interval` and `--no-xla`; `--kind "train step"`
 times the whole training step instead.
 """
 
@@ -123,9 +122,8 @@ def main(argv=None):
         twin_fields = {}
         if args.gsnr_interval > 1:
             twin_fields["gsnr_interval"] = args.gsnr_interval
-        # Explicit, so that both versions compile (or not) alike whatever
-        # their defaults (this one's "auto" compiles on GPUs only).
-        twin_fields["jit_update"] = not args.no_xla
+        if args.no_xla:
+            twin_fields["jit_update"] = False
         label = "".join(f" {k}={v}" for k, v in twin_fields.items())
         # Whole cycles of N updates per repetition and in the warm-up, so
         # that every repetition holds the same share of GSNR updates.

@@ -239,13 +239,13 @@ def test_float8_training_with_accumulation(strategy, name):
     [
         lambda: tf_vrgd.Adam(0.05, gradient_accumulation_steps=2),
         lambda: tf_vrgd.LAMB(0.05, gradient_accumulation_steps=2),
-        lambda: tf_vrgd.VRAdam(0.05, gradient_accumulation_steps=2, jit_update=True),
         lambda: tf_vrgd.VRAdam(0.05, gradient_accumulation_steps=2),
+        lambda: tf_vrgd.VRAdam(0.05, gradient_accumulation_steps=2, jit_update=False),
         lambda: tf_vrgd.VRLAMB(0.05, gradient_accumulation_steps=2),
         lambda: tf_vrgd.VRLARS(0.05, gradient_accumulation_steps=2),
         lambda: tf_vrgd.LARC(tf_vrgd.Adam(0.05, gradient_accumulation_steps=2)),
     ],
-    ids=["Adam", "LAMB", "VRAdam-xla", "VRAdam", "VRLAMB", "VRLARS", "LARC-Adam"],
+    ids=["Adam", "LAMB", "VRAdam", "VRAdam-no-xla", "VRLAMB", "VRLARS", "LARC-Adam"],
 )
 def test_empty_variables_of_any_rank_with_accumulation(make, shape):
     """Keras' `add` reads a (0, n) operand as a bias; the accumulators must

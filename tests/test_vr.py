@@ -3,7 +3,6 @@ and VR-LARS (docs/algorithms.md §1-4), on distinct data per replica, with
 gradient accumulation, and the properties of §2."""
 
 import functools
-import types
 
 import keras
 import numpy as np
@@ -19,7 +18,6 @@ from tests.vr_cases import (  # the fixture: every test here picks its update pa
     update_path,  # noqa: F401
 )
 import tf_vrgd
-from tf_vrgd._gsnr_device import compiles
 
 UPDATES = 5
 
@@ -221,7 +219,7 @@ def test_update_is_traced_once(strategy):
     stream = helpers.model_stream(UPDATES, 4, SCALES, seed=18)
     with strategy.scope():
         model = helpers.make_model()
-        optimizer = tf_vrgd.VRAdam(jit_update=True)
+        optimizer = tf_vrgd.VRAdam()
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[:1])
     # One compiled program per replica device, for all variables.
     assert _update_traces(optimizer) == strategy.num_replicas_in_sync
@@ -231,37 +229,13 @@ def test_update_is_traced_once(strategy):
     assert _update_traces(optimizer) == strategy.num_replicas_in_sync
 
 
-def test_auto_compiles_the_update_on_accelerators_only(strategy):
-    # "auto" (the default) compiles where a variable lives on a GPU or TPU;
-    # the test's replicas are CPUs, so nothing is compiled there.
-    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=18)
-    with strategy.scope():
-        model = helpers.make_model()
-        optimizer = tf_vrgd.VRAdam()
-    assert optimizer.jit_update == "auto"
-    helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[:1])
-    assert _update_traces(optimizer) == 0
-    assert optimizer.get_config()["jit_update"] == "auto"
-
-    def on(*devices):
-        return [
-            types.SimpleNamespace(device=f"/job:localhost/replica:0/task:0/device:{d}")
-            for d in devices
-        ]
-
-    assert compiles("auto", on("GPU:0", "GPU:1"))
-    assert compiles("auto", on("CPU:0", "TPU:0"))
-    assert not compiles("auto", on("CPU:0", "CPU:1"))
-    assert compiles(True, on("CPU:0")) and not compiles(False, on("GPU:0"))
-
-
 def test_layer_mean_programs_are_traced_once_for_every_device(strategy):
     # The layer means' two programs (the element sums, and the masked means
     # of the rare branch) take tensors only: one trace serves all devices.
     stream = helpers.model_stream(UPDATES, 4, SCALES, seed=19)
     with strategy.scope():
         model = helpers.make_model()
-        optimizer = tf_vrgd.VRAdam(jit_update=True)
+        optimizer = tf_vrgd.VRAdam()
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
     shared = [p for f in optimizer._variable_updates.values() for p in f.shared]
     assert len(shared) == 2
@@ -282,10 +256,7 @@ def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulati
                 [keras.Input((4,))] + [keras.layers.Dense(4) for _ in range(layers)]
             )
             optimizer = tf_vrgd.VRSGD(
-                momentum=0.9,
-                beta_3=0.5,
-                gradient_accumulation_steps=accumulation_steps,
-                jit_update=True,
+                momentum=0.9, beta_3=0.5, gradient_accumulation_steps=accumulation_steps
             )
         shapes = [tuple(v.shape) for v in model.trainable_variables]
         stream = helpers.gradient_stream(shapes, accumulation_steps or 1, replicas=4, seed=layers)

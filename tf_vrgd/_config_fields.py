@@ -53,7 +53,7 @@ FIELD_CHECKS = {
     "gsnr_epsilon": validation.POSITIVE_NUMBER,
     "gsnr_interval": validation.integer(1),
     "interval": validation.integer(1),
-    "jit_update": validation.check_bool_or_auto,
+    "jit_update": validation.check_bool,
     "track_gsnr_statistics": validation.check_bool,
     "decay": validation.NON_NEGATIVE_NUMBER,
     # ema

@@ -55,7 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import functional, statistics, validation
-from tf_vrgd._gsnr_device import DevicePrograms, compiles
+from tf_vrgd._gsnr_device import DevicePrograms
 from tf_vrgd._gsnr_intake import (
     ReplicaIntake,
     at_least_one_row,
@@ -84,12 +84,9 @@ _VR_ARGUMENTS = """\
         gsnr_interval: Int >= 1, measure the GSNR at updates 1, N + 1,
             2N + 1, ... only; the updates between reduce the gradient alone
             and apply the last scale. Defaults to 1 (every update).
-        jit_update: Bool or "auto", XLA-compile the update (one program
-            per device for the variables over 2^14 elements) and, with
-            accumulation, the micro-step sums. "auto" compiles where the
-            variables live on an accelerator (GPU, TPU) and not on CPUs,
-            where a compiled update steps no faster and its compilation,
-            once per device, delays the first step. Defaults to "auto".
+        jit_update: Bool, XLA-compile the update (one program per device
+            for the variables over 2^14 elements) and, with accumulation,
+            the micro-step sums. Defaults to True.
         track_gsnr_statistics: Bool, sum per-variable GSNR statistics at
             every update for `gsnr_statistics()` and `tf_vrgd.GSNRMonitor`.
             Defaults to False (they cost extra reductions per update).
@@ -141,7 +138,7 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
         gamma: float = 0.1,
         beta_3: float | None = None,
         gsnr_epsilon: float = 1e-6,
-        jit_update: bool | str = "auto",
+        jit_update: bool = True,
         track_gsnr_statistics: bool = False,
         gsnr_interval: int = 1,
         **kwargs,
@@ -155,7 +152,7 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
         self.gsnr_epsilon = validation.check_number(
             "gsnr_epsilon", gsnr_epsilon, low=0.0, low_open=True
         )
-        self.jit_update = validation.check_bool_or_auto("jit_update", jit_update)
+        self.jit_update = validation.check_bool("jit_update", jit_update)
         self._track_gsnr_statistics = validation.check_bool(
             "track_gsnr_statistics", track_gsnr_statistics
         )
@@ -199,7 +196,6 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
         if self.built:
             return
         build_without_keras_accumulators(self, super().build, var_list)
-        self._compiles = compiles(self.jit_update, var_list)
         float32_slots = functools.partial(self._float32_slots, var_list)
         self._gsnr_momentums = (
             float32_slots("gsnr_momentum") if self.beta_3 > 0 else [None] * len(var_list)

@@ -22,20 +22,6 @@ from tf_vrgd._keras_adapters import tf_variable as _tf_variable
 from tf_vrgd.statistics import variable_size
 
 
-def compiles(jit_update, variables):
-    """Whether the update of `variables` is XLA-compiled: `jit_update`,
-    where ``"auto"`` means on accelerators only (a variable on a device that
-    is not a CPU), as Keras' ``jit_compile="auto"`` turns XLA off on
-    machines with CPUs alone: there a compiled update is no faster, and
-    its compilation, once per device, lengthens the first step."""
-    if jit_update != "auto":
-        return jit_update
-    return any(
-        tf.DeviceSpec.from_string(_tf_variable(v).device).device_type not in (None, "CPU")
-        for v in variables
-    )
-
-
 class DevicePrograms(RowSparsePrograms):
     """The cross-replica update of `GSNRMixin` and the programs it runs on
     each device (the slots are made by its `build`; the program of the
@@ -127,7 +113,7 @@ class DevicePrograms(RowSparsePrograms):
         to the mean gradient. Then the base rule.
 
         The large variables (over `PACKED_MAX_ELEMENTS` elements) are
-        updated by one XLA program (where `compiles`), fused
+        updated by one XLA program (unless `jit_update` is False), fused
         per variable. The small ones (biases, normalisation scales: most of
         the variables of a ResNet or a transformer, a few percent of its
         parameters) travel and are measured as one flat vector
@@ -151,7 +137,7 @@ class DevicePrograms(RowSparsePrograms):
         else:
             fused_update = self._fused_scale_update(indices)
             packed_update = self._packed_scale_update(packed_indices)
-        if self._compiles:
+        if self.jit_update:
             fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
         row_update = self._row_sparse_update(sparse_indices, measure)
         count = len(indices)
@@ -174,7 +160,7 @@ class DevicePrograms(RowSparsePrograms):
 
         # The compiled program, whose traces the tests count, and the
         # programs every device shares.
-        device_update.compiled = fused_update if indices and self._compiles else None
+        device_update.compiled = fused_update if indices and self.jit_update else None
         device_update.shared = () if layer_means is None else layer_means.shared
         self._variable_updates[key] = device_update
         return device_update
@@ -210,8 +196,8 @@ class DevicePrograms(RowSparsePrograms):
                 moments_of(sums, squares, samples, replicas), epsilon
             )
 
-        element_sums = _TracedOnce(element_sums, self._compiles)
-        masked_means = _TracedOnce(masked_means, self._compiles)
+        element_sums = _TracedOnce(element_sums, self.jit_update)
+        masked_means = _TracedOnce(masked_means, self.jit_update)
 
         def layer_means(sums, squares, samples, replicas):
             return tf.stack(

@@ -66,8 +66,8 @@ class ReplicaIntake:
         for row-sparse gradients, the rows they hold).
 
         One pass over memory (reads g and both sums, writes both sums: 20
-        B/param in fp32) in one XLA call for all dense variables where the
-        update compiles (`jit_update`). Row-sparse gradients add their rows (at the
+        B/param in fp32) in one XLA call for all dense variables, unless
+        `jit_update` is False. Row-sparse gradients add their rows (at the
         cost of the rows) and mark them; at the update, each replica
         gathers the rows it marked.
         """
@@ -173,7 +173,7 @@ class ReplicaIntake:
                     _tf_variable(square_slot).assign_add(tf.square(sample))
             samples.assign_add(1.0)
 
-        if self._compiles:
+        if self.jit_update:
             accumulate = tf.function(accumulate, jit_compile=True)
         self._moment_accumulations[(indices, squares)] = accumulate
         return accumulate

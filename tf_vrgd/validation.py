@@ -79,13 +79,6 @@ def check_bool(name, value):
     return value
 
 
-def check_bool_or_auto(name, value):
-    """A bool, or the string ``"auto"`` (the code decides)."""
-    if value != "auto" and not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be a bool or 'auto'. Received: {name}={value!r}")
-    return value
-
-
 def check_regex_list(name, value):
     """`None` or a list/tuple of regular-expression strings."""
     import re

@@ -172,9 +172,6 @@ class Settings:
     # Each N > 1 adds the twin with gsnr_interval = N; the timed calls of
     # every candidate are then a whole number of the largest N's cycles.
     gsnr_intervals: Sequence[int] = (1,)
-    # The VR twins' `jit_update` ("auto": XLA on GPUs, not on CPUs).
-    jit_update: bool | str = "auto"
-    # Where the twins compile, also time each without XLA ("vr no-xla").
     no_xla: bool = True
     # Also time this package's own base rule where the pair's base is
     # Keras' (`own_bases`).
@@ -210,11 +207,7 @@ def warm_up_runtime(strategy, extra):
 
     batch = make_batch("mlp", 8 * strategy.num_replicas_in_sync, np.random.default_rng(1))
     candidate = Candidate(
-        "warm-up",
-        lambda: tf_vrgd.VRAdam(jit_update=True, **extra),
-        lambda: mlp(20_000),
-        strategy,
-        batch,
+        "warm-up", lambda: tf_vrgd.VRAdam(**extra), lambda: mlp(20_000), strategy, batch
     )
     candidate.time("train step", 2 * (extra.get("gradient_accumulation_steps") or 1))
 
@@ -236,8 +229,6 @@ def measure(settings, gpus=(), report=print):
     where = "GPU 0" if gpus else "host"
     report(f"memory copy bandwidth ({where}): {bandwidth / 1e9:.1f} GB/s (read + write)")
     chosen = {k: v for k, v in pairs().items() if not settings.pairs or k in settings.pairs}
-    # Whether the twins' update is XLA-compiled (as `jit_update` resolves).
-    twins_compile = bool(gpus) if settings.jit_update == "auto" else settings.jit_update
     rng = np.random.default_rng(0)
     rows = []
     for setup in settings.setups:
@@ -281,8 +272,6 @@ def measure(settings, gpus=(), report=print):
                     f"(x{reduce['sum and squares'] / reduce['sum']:.2f})"
                 )
             for pair_name, (make_base, make_vr, _) in chosen.items():
-                if pair_name not in WRAPPER_PAIRS:
-                    make_vr = functools.partial(make_vr, jit_update=settings.jit_update)
                 factories = {
                     "base": functools.partial(make_base, **extra),
                     "vr": functools.partial(make_vr, **extra),
@@ -293,7 +282,7 @@ def measure(settings, gpus=(), report=print):
                 if settings.control:
                     factories["base again"] = functools.partial(make_base, **extra)
                 if pair_name not in WRAPPER_PAIRS:
-                    if settings.no_xla and twins_compile:
+                    if settings.no_xla:
                         factories["vr no-xla"] = functools.partial(
                             make_vr, jit_update=False, **extra
                         )
@@ -302,7 +291,7 @@ def measure(settings, gpus=(), report=print):
                             factories[f"vr N={interval}"] = functools.partial(
                                 make_vr, gsnr_interval=interval, **extra
                             )
-                            if settings.no_xla and twins_compile:
+                            if settings.no_xla:
                                 factories[f"vr N={interval} no-xla"] = functools.partial(
                                     make_vr, gsnr_interval=interval, jit_update=False, **extra
                                 )
