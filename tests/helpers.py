@@ -1,6 +1,8 @@
 """Shared test fixtures: small models with scaled weights, gradient streams,
 and drivers that apply them eagerly, in `tf.function` or per replica."""
 
+import importlib.util
+import os
 import socket
 
 import keras
@@ -184,8 +186,6 @@ def model_garden_command(experiment, config_file, model_dir, overrides, cpu_repl
 def model_garden_env(**variables):
     """This process' environment with the repository on the path, plus
     `variables`."""
-    import os
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return {
         **os.environ,
@@ -225,3 +225,13 @@ def checkpoint_values(path):
     """{name: array} of a TF checkpoint's every tensor."""
     reader = tf.train.load_checkpoint(str(path))
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+
+
+def load_script(name):
+    """The module of scripts/<name>.py (the scripts are no package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from tests import helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -52,3 +54,15 @@ def test_device_check_dry_run_writes_every_step(tmp_path):
         assert task["vr_over_base_examples_per_second"] > 0
     for log in ("tests-cpus.log", "bench.log", "bert_large_phase1.log", "resnet50_imagenet.log"):
         assert (tmp_path / log).stat().st_size > 0
+
+
+def test_device_check_stops_where_tensorflow_sees_no_gpu(tmp_path, monkeypatch, capsys):
+    # A GPU that nvidia-smi lists but TensorFlow cannot use (not installed,
+    # or without CUDA): the check stops after the environment, with why.
+    check = helpers.load_script("device_check")
+    monkeypatch.setattr(check, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(check, "environment", lambda args, gpus, budget: {"gpus": gpus})
+    assert check.main([str(tmp_path)]) == 3
+    assert "TensorFlow (not importable) sees none" in capsys.readouterr().out
+    with open(tmp_path / "device_check.json") as f:
+        assert set(json.load(f)) == {"dry_run", "started", "environment"}

@@ -3,23 +3,19 @@ table and resumable results, the linear regression's steps-to-target, and a
 minute-sized run of the step-cost benchmark."""
 
 import argparse
-import importlib.util
 import json
 import os
 
 import numpy as np
 import pytest
 
+from tests import helpers
 from tf_vrgd.experiments import grids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_script = helpers.load_script
 
 
 def _row(optimizer, batch, multiplier, seed, accuracy, gap=0.01):
