@@ -589,3 +589,39 @@ def test_bench_step_times_the_noise_scale_wrapper_at_each_interval():
     moved = row["bytes_per_parameter"]
     assert (moved["base"], moved["vr"], moved["vr N=4"]) == (28 + 12 * a, 36 + 12 * a, 30 + 12 * a)
     assert moved["base again"] == moved["base"]
+
+
+def test_the_update_kind_gives_embedding_tables_rows(strategy):
+    """`timing.Candidate`'s update feeds an embedding table a row-sparse
+    gradient (one row per example and replica, as the training step does),
+    every other variable a dense one: after one step of SGD(1), each table
+    moved by minus the mean over replicas of its rows scattered (numpy)."""
+    import keras
+
+    from tf_vrgd.experiments import bench_models, timing
+
+    replicas = strategy.num_replicas_in_sync
+    batch = (np.zeros((2 * replicas, 2), np.int32), np.zeros(2 * replicas, np.int32))
+    candidate = timing.Candidate(
+        "sgd",
+        lambda: keras.optimizers.SGD(1.0),
+        lambda: bench_models.tables(count=2, rows=40, width=3),
+        strategy,
+        batch,
+    )
+    variables = candidate.model.trainable_variables
+    before = [v.numpy().copy() for v in variables]
+    candidate.functions["update"]()
+    tables = 0
+    for variable, start, gradient in zip(variables, before, candidate._gradients):
+        if isinstance(gradient, tuple):
+            tables += 1
+            values, ids, _ = (np.asarray(part) for part in gradient)
+            assert ids.shape == (replicas, 2)  # the local batch: 2 examples
+            expected = start.astype(np.float64).copy()
+            for r in range(replicas):
+                np.add.at(expected, ids[r], -values[r].astype(np.float64) / replicas)
+        else:
+            expected = start - np.asarray(gradient, np.float64).mean(axis=0)
+        np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-5, atol=1e-7)
+    assert tables == 2

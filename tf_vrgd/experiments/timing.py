@@ -56,21 +56,45 @@ class Candidate:
         variables = self.model.trainable_variables
         replicas = strategy.num_replicas_in_sync
         rng = np.random.default_rng(seed)
-        # Per-replica gradients, stacked: replica r takes slice r.
-        self._gradients = [
-            tf.constant(rng.standard_normal((replicas, *v.shape)).astype(np.float32) * 1e-3)
-            for v in variables
-        ]
         x, y = batch
         self._x, self._y = tf.constant(x), tf.constant(y)
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
         global_batch = int(x.shape[0])
+        # Per-replica gradients, stacked: replica r takes slice r. An
+        # embedding table's arrive as rows (tf.IndexedSlices), one looked-up
+        # row per example, as in the training step.
+        tables = {
+            id(layer.embeddings)
+            for layer in self.model.layers
+            if isinstance(layer, keras.layers.Embedding)
+        }
+        local = global_batch // replicas
+
+        def gradient(v):
+            if id(v) not in tables:
+                return tf.constant(
+                    rng.standard_normal((replicas, *v.shape)).astype(np.float32) * 1e-3
+                )
+            rows, width = v.shape
+            values = rng.standard_normal((replicas, local, width)).astype(np.float32) * 1e-3
+            ids = rng.integers(0, rows, (replicas, local)).astype(np.int64)
+            return tf.constant(values), tf.constant(ids), tf.constant(v.shape, tf.int64)
+
+        self._gradients = [gradient(v) for v in variables]
+
+        def replica_gradient(g, replica):
+            if isinstance(g, tuple):
+                values, ids, shape = g
+                return tf.IndexedSlices(
+                    tf.gather(values, replica) / replicas, tf.gather(ids, replica), shape
+                )
+            return tf.gather(g, replica) / replicas
 
         @tf.function
         def update():
             def replica_fn():
                 replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-                grads = [tf.gather(g, replica) / replicas for g in self._gradients]
+                grads = [replica_gradient(g, replica) for g in self._gradients]
                 self.optimizer.apply(grads, variables)
 
             strategy.run(replica_fn)
