@@ -310,22 +310,20 @@ def main(argv=None):
         budget = left * SHARES[step] / sum(SHARES[n] for n in names[names.index(step) :])
         if step == "environment":
             report[step] = environment(args, gpus, budget)
-            if not args.dry_run and not report[step].get("tensorflow_gpus"):
-                with open(path, "w") as f:
-                    json.dump(report, f, indent=2)
-                print(
-                    f"device_check: {gpus} GPU(s) listed, but TensorFlow "
-                    f"{report[step].get('tensorflow', '(not importable)')} sees none: install "
-                    "TensorFlow with its CUDA libraries (pip install 'tensorflow[and-cuda]'; "
-                    "TensorFlow 2.21 loads CUDA 12's). environment.log has what it printed."
-                )
-                return 3
         else:
             report[step] = run(args, gpus, budget)
         report["seconds"] = round(time.monotonic() - start, 1)
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
         print(f"device_check: {step} done ({report['seconds']} s)", flush=True)
+        if step == "environment" and not args.dry_run and not report[step].get("tensorflow_gpus"):
+            print(
+                f"device_check: {gpus} GPU(s) listed, but TensorFlow "
+                f"{report[step].get('tensorflow', '(not importable)')} sees none: install "
+                "TensorFlow with its CUDA libraries (pip install 'tensorflow[and-cuda]'; "
+                "TensorFlow 2.21 loads CUDA 12's). environment.log has what it printed."
+            )
+            return 3
     print(json.dumps(report, indent=2))
     return 0
 

@@ -65,4 +65,4 @@ def test_device_check_stops_where_tensorflow_sees_no_gpu(tmp_path, monkeypatch, 
     assert check.main([str(tmp_path)]) == 3
     assert "TensorFlow (not importable) sees none" in capsys.readouterr().out
     with open(tmp_path / "device_check.json") as f:
-        assert set(json.load(f)) == {"dry_run", "started", "environment"}
+        assert set(json.load(f)) == {"dry_run", "started", "environment", "seconds"}

@@ -390,8 +390,8 @@ def test_several_tables_train_under_fit(strategy, accumulation):
         tables, dense = layers[: len(shapes)], layers[len(shapes) :]
         terms = [keras.ops.sum(table(inputs[0][:, t]), axis=-1) for t, table in enumerate(tables)]
         terms += [keras.ops.sum(layer(f), axis=-1) for layer, f in zip(dense, inputs[1:])]
-        p = keras.ops.sum(keras.ops.stack(terms, axis=-1), axis=-1, keepdims=True)
-        model = keras.Model(inputs, p)
+        prediction = keras.ops.sum(keras.ops.stack(terms, axis=-1), axis=-1, keepdims=True)
+        model = keras.Model(inputs, prediction)
         model.compile(optimizer=case.make(gradient_accumulation_steps=accumulation), loss="mse")
     model.fit([ids, *features], y[:, None], batch_size=batch, epochs=1, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 3

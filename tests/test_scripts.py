@@ -15,9 +15,6 @@ from tf_vrgd.experiments import grids
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-_script = helpers.load_script
-
-
 def _row(optimizer, batch, multiplier, seed, accuracy, gap=0.01):
     return {
         "optimizer": optimizer,
@@ -30,7 +27,7 @@ def _row(optimizer, batch, multiplier, seed, accuracy, gap=0.01):
 
 
 def test_sweep_reports_the_best_rate_and_its_seeds(tmp_path):
-    sweep = _script("sweep")
+    sweep = helpers.load_script("sweep")
     rows = [
         _row("lamb", 8192, 0.5, 0, 0.80),
         _row("lamb", 8192, 1.0, 0, 0.84),
@@ -93,7 +90,7 @@ def _study_row(optimizer, batch, multiplier, seed, accuracy, k=8, scale=None, **
 
 
 def test_study_parts_follow_the_grid(tmp_path):
-    study = _script("study")
+    study = helpers.load_script("study")
     args = study.parse_args(["--batches", "4096", "--pairs", "momentum"])
     grid = study.grid({}, args)
     assert len(grid) == 2 * 6  # {momentum, vr_momentum} x rates
@@ -145,7 +142,7 @@ def test_study_parts_follow_the_grid(tmp_path):
 
 
 def test_linear_regression_steps_to_target():
-    linear = _script("linear_regression")
+    linear = helpers.load_script("linear_regression")
     assert linear.steps_to_reach([5.0, 3.0, 1.0, 0.5], 1.0) == 3
     assert linear.steps_to_reach([5.0, 3.0], 1.0) is None
 
@@ -277,7 +274,7 @@ def test_update_bytes_follow_the_table_of_the_algorithms_document():
 
 
 def test_study_pairs_twin_and_base_by_seed():
-    study = _script("study")
+    study = helpers.load_script("study")
     twin = {0: 0.86, 1: 0.84, 2: 0.87, 3: 0.85}
     base = {0: 0.84, 1: 0.845, 2: 0.83, 3: 0.84, 4: 0.9}  # seed 4 has no twin
     mean, sd, half, seeds = study.paired_difference(twin, base)
@@ -326,7 +323,7 @@ def test_study_pairs_twin_and_base_by_seed():
 def test_study_report_and_plots_cover_each_pair(tmp_path):
     import matplotlib.image
 
-    study = _script("study")
+    study = helpers.load_script("study")
     args = study.parse_args(
         ["--output", str(tmp_path), "--batches", "4096", "8192", "--pairs", "lars", "lamb"]
     )
@@ -396,7 +393,7 @@ def test_study_report_and_plots_cover_each_pair(tmp_path):
 
 
 def test_study_interval_part_runs_each_n_at_the_twins_rates():
-    study = _script("study")
+    study = helpers.load_script("study")
     args = study.parse_args(
         ["--batches", "4096", "--pairs", "momentum", "adam", "--parts", "interval"]
         + ["--gsnr-intervals", "1", "4", "--at", "vr_adam=4"]
@@ -435,7 +432,7 @@ def test_study_interval_part_runs_each_n_at_the_twins_rates():
 def test_click_study_auc_counts_ordered_pairs():
     """The click study's AUC against the fraction of (positive, negative)
     pairs ranked right, ties counting one half."""
-    click = _script("click_study")
+    click = helpers.load_script("click_study")
     rng = np.random.default_rng(0)
     labels = rng.random(300) < 0.3
     scores = np.round(rng.random(300) + 0.4 * labels, 1)  # with ties
@@ -447,7 +444,7 @@ def test_click_study_auc_counts_ordered_pairs():
 
 
 def test_click_study_ids_follow_the_zipf_law():
-    click = _script("click_study")
+    click = helpers.load_script("click_study")
     args = click.parse_args(["--output", "unused", "--rows", "50", "--zipf", "1.2"])
     inputs = click.make_inputs(args, 200_000, np.random.default_rng(1))
     assert inputs["sparse_features"].shape == (200_000, 26)
@@ -461,7 +458,7 @@ def test_click_study_rows_record_every_setting_of_the_task():
     """A result row is matched on resume by all the settings that shape
     the task and its training (not a subset): each flag but the output,
     seeds and optimizers is one."""
-    click = _script("click_study")
+    click = helpers.load_script("click_study")
     args = click.parse_args(["--output", "unused", "--zipf", "1.3", "--test-examples", "7"])
     settings = click.settings_of(args)
     flags = set(vars(args)) - {"output", "seeds", "optimizers"}
@@ -549,7 +546,7 @@ def test_grid_keeps_rows_and_skips_what_is_done(tmp_path, capsys):
 def test_bench_versions_imports_a_commit_beside_this_checkout(tmp_path):
     import tf_vrgd
 
-    versions = _script("bench_versions")
+    versions = helpers.load_script("bench_versions")
     old = versions.import_at("HEAD", str(tmp_path))
     assert old.__name__ == "tf_vrgd_at_commit" and old.VRAdam is not tf_vrgd.VRAdam
     assert os.path.dirname(old.__file__) == str(tmp_path / "tf_vrgd_at_commit")
