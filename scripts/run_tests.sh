@@ -13,7 +13,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 ensure_venv test
-ensure_model_garden_venv
+# .venv-mg is set up while the main suite runs: its installs (about a
+# minute) are mostly waiting on files, not on the cores the tests use.
+mg_log="$(mktemp)"
+trap 'rm -f "$mg_log"' EXIT
+ensure_model_garden_venv >"$mg_log" 2>&1 &
+mg_setup=$!
 workers="${TF_VRGD_TEST_WORKERS:-$(
     .venv/bin/python -c 'import os; print(min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(), 4))'
 )}"
@@ -22,6 +27,16 @@ if [ "$workers" -le 1 ]; then
 fi
 # worksteal: an idle process takes tests queued for a busy one, so that the
 # long end-to-end tests near the end of the collection do not leave a core idle.
-.venv/bin/python -m pytest -n "$workers" --dist worksteal --ignore=tests/model_garden "$@"
+main=0
+.venv/bin/python -m pytest -n "$workers" --dist worksteal --ignore=tests/model_garden "$@" || main=$?
+if ! wait "$mg_setup"; then
+    cat "$mg_log"
+    echo "run_tests.sh: setting up .venv-mg failed (above)" >&2
+    exit 1
+fi
+cat "$mg_log"
+if [ "$main" -ne 0 ]; then
+    exit "$main"
+fi
 echo "--- tests/model_garden, in .venv-mg (tf_keras and Model Garden) ---"
 .venv-mg/bin/python -m pytest -n "$workers" --dist worksteal tests/model_garden "$@"

@@ -674,11 +674,21 @@ def _weights(path):
 
 def test_init_checkpoint_starts_from_the_given_weights(tmp_path):
     """BERT's phase 2 starts from phase 1's weights: task.init_checkpoint
-    loads them before the first update (0 updates of change at LR 0)."""
+    loads them before the first update (0 updates of change at LR 0).
+
+    Phase 1's weights file is written here, by Keras' `save_weights` of the
+    task's model built with another seed than phase 2's, as `vrgd-train`
+    writes its `final.weights.h5` (reading that file back is the resume
+    tests' part)."""
+    import keras
+
+    from tf_vrgd.experiments import task_runs
+
     config, overrides, _ = TASK_RUNS["bert"]
-    first = tmp_path / "phase1"
-    _train(config, first, overrides, "--train-steps", "2", "--synthetic")
-    weights = first / "vr_lamb" / "final.weights.h5"
+    keras.utils.set_random_seed(7)
+    model = task_runs.TaskExperiment(_cfg(config, overrides), synthetic=True).task.build_model()
+    weights = tmp_path / "phase1.weights.h5"
+    model.save_weights(weights)
     second = tmp_path / "phase2"
     rate = "trainer.optimizer_config.learning_rate.polynomial.initial_learning_rate"
     _train(
@@ -718,8 +728,11 @@ def test_runtime_precision_fields_are_checked(tmp_path, field, value, message):
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
 def test_mixed_precision_runs_train(precision, tmp_path):
     """runtime.mixed_precision_dtype sets Keras' dtype policy (float16: with
-    the loss scaled dynamically); BERT and its twin train on synthetic
-    inputs, float32 weights, the VR run's GSNR read through the wrapper."""
+    the loss scaled dynamically); BERT trains on synthetic inputs, float32
+    weights, the VR run's GSNR read through the wrapper. With float16 its
+    twin too (both wrapped for the loss scale); bfloat16 needs no wrapper,
+    so the VR run alone. (BERT's loss falling is asserted here, not in
+    `test_synthetic_task_loss_falls`.)"""
     config, overrides, _ = TASK_RUNS["bert"]
     output = tmp_path / "run"
     overrides = {
@@ -727,9 +740,11 @@ def test_mixed_precision_runs_train(precision, tmp_path):
         "runtime.mixed_precision_dtype": precision,
         "trainer.checkpoint_interval": 3,
     }
-    stdout = _train(config, output, overrides, "--train-steps", "6", "--synthetic", "--compare")
+    twin = precision == "float16"
+    compare = ["--compare"] if twin else []
+    stdout = _train(config, output, overrides, "--train-steps", "6", "--synthetic", *compare)
     assert f"mixed_{precision}" in stdout
-    for name in ("vr_lamb", "lamb"):
+    for name in ("vr_lamb", "lamb") if twin else ("vr_lamb",):
         with zipfile.ZipFile(output / name / "checkpoint-epoch2.keras") as saved:
             saved_config = saved.read("config.json").decode()
         assert f'"mixed_{precision}"' in saved_config
@@ -746,7 +761,8 @@ def test_mixed_precision_runs_train(precision, tmp_path):
     assert any(k.startswith("gsnr_scale/") for k in _records(output / "vr_lamb")[-1])
 
 
-@pytest.mark.parametrize("kind", TASK_RUNS)
+# BERT's: `test_mixed_precision_runs_train`.
+@pytest.mark.parametrize("kind", ["resnet", "dlrm"])
 def test_synthetic_task_loss_falls(kind, tmp_path):
     config, overrides, _ = TASK_RUNS[kind]
     output = tmp_path / "run"
