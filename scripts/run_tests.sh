@@ -29,12 +29,13 @@ fi
 # long end-to-end tests near the end of the collection do not leave a core idle.
 main=0
 .venv/bin/python -m pytest -n "$workers" --dist worksteal --ignore=tests/model_garden "$@" || main=$?
-if ! wait "$mg_setup"; then
-    cat "$mg_log"
+setup=0
+wait "$mg_setup" || setup=$?
+cat "$mg_log"
+if [ "$setup" -ne 0 ]; then
     echo "run_tests.sh: setting up .venv-mg failed (above)" >&2
     exit 1
 fi
-cat "$mg_log"
 if [ "$main" -ne 0 ]; then
     exit "$main"
 fi

@@ -682,11 +682,9 @@ def test_init_checkpoint_starts_from_the_given_weights(tmp_path):
     tests' part)."""
     import keras
 
-    from tf_vrgd.experiments import task_runs
-
     config, overrides, _ = TASK_RUNS["bert"]
     keras.utils.set_random_seed(7)
-    model = task_runs.TaskExperiment(_cfg(config, overrides), synthetic=True).task.build_model()
+    model = tasks.from_config(_cfg(config, overrides)).build_model()
     weights = tmp_path / "phase1.weights.h5"
     model.save_weights(weights)
     second = tmp_path / "phase2"
