@@ -424,3 +424,10 @@ def test_several_tables_train_under_fit(strategy, accumulation):
             f"variable {i} under fit (A = {accumulation})",
             rtol=1e-4,
         )
+    # Every device runs the one traced update on its own copies: each
+    # replica device's copy of every weight and slot is the first's.
+    for variable in [*model.trainable_variables, *model.optimizer.variables]:
+        copies = [c.numpy() for c in strategy.experimental_local_results(variable.value)]
+        assert len(copies) == replicas
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0], err_msg=variable.path)

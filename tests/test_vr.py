@@ -18,6 +18,7 @@ from tests.vr_cases import (  # the fixture: every test here picks its update pa
     update_path,  # noqa: F401
 )
 import tf_vrgd
+from tf_vrgd import _device_trace
 
 UPDATES = 5
 
@@ -221,12 +222,14 @@ def test_update_is_traced_once(strategy):
         model = helpers.make_model()
         optimizer = tf_vrgd.VRAdam()
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[:1])
-    # One compiled program per replica device, for all variables.
-    assert _update_traces(optimizer) == strategy.num_replicas_in_sync
+    # One trace of the compiled program for all variables and every replica
+    # device (XLA compiles it on each device).
+    assert strategy.num_replicas_in_sync == 4
+    assert _update_traces(optimizer) == 1
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[1:])
-    # The same compiled functions serve every later step (the step function
-    # in the helper is re-created per call, yet nothing is re-traced here).
-    assert _update_traces(optimizer) == strategy.num_replicas_in_sync
+    # The same program serves every later step (the step function in the
+    # helper is re-created per call, yet nothing is re-traced here).
+    assert _update_traces(optimizer) == 1
 
 
 def test_layer_mean_programs_are_traced_once_for_every_device(strategy):
@@ -240,15 +243,55 @@ def test_layer_mean_programs_are_traced_once_for_every_device(strategy):
     shared = [p for f in optimizer._variable_updates.values() for p in f.shared]
     assert len(shared) == 2
     assert [p.tracing_count() for p in shared] == [1, 1]
-    assert _update_traces(optimizer) == strategy.num_replicas_in_sync
+    assert _update_traces(optimizer) == 1
+
+
+def test_a_device_update_is_shared_only_when_it_knows_every_captured_variable(strategy):
+    # The device update is traced once and run on every device with each
+    # captured variable rebound to that device's copy; a variable it cannot
+    # rebind (here one left out of `variables`) makes it run per device.
+    with strategy.scope():
+        known = tf.Variable(tf.zeros([3]))
+        unknown = tf.Variable(tf.zeros([3]))
+
+    def add(value):
+        known.assign_add(value)
+        unknown.assign_add(2.0 * value)
+
+    # Calls of `update`: the one trace; or that trace (which finds the
+    # unknown variable) and one call per device.
+    for variables, calls in (([known, unknown], 1), ([known], 5)):
+        known.assign(tf.zeros([3]))
+        unknown.assign(tf.zeros([3]))
+        traced = []
+
+        def update(value, traced=traced):
+            traced.append(value)
+            add(value)
+
+        shared = _device_trace.OnEveryDevice(update, lambda v=variables: v)
+
+        @tf.function
+        def step(shared=shared):
+            devices = strategy.extended.non_slot_devices([known])
+            strategy.extended.update_non_slot(
+                devices, shared, args=(tf.constant([1.0, 2.0, 3.0]),), group=False
+            )
+
+        step()
+        step()
+        assert len(traced) == calls
+        for variable, scale in ((known, 1.0), (unknown, 2.0)):
+            for copy in strategy.experimental_local_results(variable):
+                np.testing.assert_array_equal(copy.numpy(), [2.0 * scale, 4.0 * scale, 6.0 * scale])
 
 
 @pytest.mark.parametrize("accumulation_steps", [None, 2])
 def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulation_steps):
     # MLPs of 5 and 16 Dense layers (10 and 32 variables; the kernels go to
-    # the XLA program, the biases are packed): the VR update is traced (and
-    # XLA-compiled) once per replica device for either, where a program per
-    # variable would make 20 and 64.
+    # the XLA program, the biases are packed): the VR update is traced once
+    # for every replica device (and XLA-compiled once on each) for either,
+    # where a program per kernel and device would make 20 and 64.
     traces = {}
     for layers in (5, 16):
         with strategy.scope():
@@ -263,7 +306,7 @@ def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulati
         helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
         assert int(optimizer.iterations.numpy()) == 1  # updates, not micro-steps
         traces[layers] = _update_traces(optimizer)
-    assert traces == {5: 4, 16: 4}
+    assert traces == {5: 1, 16: 1}
 
 
 def test_larc_wraps_a_vr_optimizer(strategy):

@@ -27,7 +27,8 @@ Flow of one `apply` call (per replica, in replica context):
    the large dense variables, one flat pass for the small ones, and the
    row-sparse update for embedding tables compute ``gbar, s`` -> GSNR ->
    (GSNR momentum) -> ``ghat`` and hand ``ghat`` to the optimizer's
-   `update_step`, the base rule.
+   `update_step`, the base rule. That program is traced once and run on
+   every device with its variables rebound to the device's copies.
 
 With `gsnr_interval = N > 1` only every N-th update (the first, N + 1,
 ...) squares, reduces the squares and measures the GSNR; the others

@@ -4,7 +4,8 @@
 In cross-replica context, once per update: one `batch_reduce_to` SUM of
 every variable's sums (and, at a GSNR update, squares), then once per
 device, inside `extended.update_non_slot`, the device's program
-(`_device_update`): per layout (large dense variables fused in one XLA
+(`_device_update`, traced once and run on each device's copies:
+`OnEveryDevice`): per layout (large dense variables fused in one XLA
 program, small dense ones packed into one flat vector, row-sparse ones at
 their rows) the moments, the rule (`functional.gsnr_scale` at a GSNR
 update, `functional.scale_between_gsnr_updates` between), the slot writes,
@@ -15,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import functional
+from tf_vrgd._device_trace import OnEveryDevice, TracedOnce
 from tf_vrgd._gsnr_intake import flatten
 from tf_vrgd._gsnr_rows import RowSparsePrograms, reduced_moments, row_bundles
 from tf_vrgd._keras_adapters import decay as _decay
@@ -68,8 +70,8 @@ class DevicePrograms(RowSparsePrograms):
                 measure, large_indices, packed_indices, sparse_indices
             )
             # `fn` runs once per device holding the variables, inside that
-            # device's update context: one compiled program per device updates
-            # all of that device's copies.
+            # device's update context: one program, traced once, updates all
+            # of that device's copies (XLA compiles its fused part there).
             # (Plain statements, no conditional expressions in the call:
             # autograph, converting this inside a one-device tf.function,
             # mangles them.)
@@ -107,7 +109,8 @@ class DevicePrograms(RowSparsePrograms):
         """The update on one device of the large dense variables at
         `indices`, the small ones at `packed_indices` (their reduced sums as
         one flat vector) and the row-sparse ones at `sparse_indices`, made
-        once per cadence and set of variables and traced once per device.
+        once per cadence and set of variables and traced once for every
+        device.
         At a GSNR update (`measure`) each measures the GSNR from the reduced
         sums and squares; between GSNR updates each applies the last scale
         to the mean gradient. Then the base rule.
@@ -122,10 +125,11 @@ class DevicePrograms(RowSparsePrograms):
         variables take `_row_sparse_update`.
 
         Each part captures the variables and slots rather than taking them
-        as arguments, like `ReplicaIntake._moment_accumulation`. Traced
-        inside a device's update context, a captured mirrored variable is
-        that device's copy, so each device gets one trace of its own,
-        whatever the number of variables.
+        as arguments, like `ReplicaIntake._moment_accumulation`: traced in
+        the first device's update context, a captured mirrored variable is
+        that device's copy. The whole is traced once (`OnEveryDevice`) and
+        run on every device with its captures rebound to that device's
+        copies, whatever the number of variables and devices.
         """
         key = (measure, indices, packed_indices, sparse_indices)
         if key in self._variable_updates:
@@ -158,12 +162,21 @@ class DevicePrograms(RowSparsePrograms):
             if sparse_indices:
                 row_update(row_messages, *scalars)
 
+        program = OnEveryDevice(device_update, self._device_program_variables)
         # The compiled program, whose traces the tests count, and the
         # programs every device shares.
-        device_update.compiled = fused_update if indices and self.jit_update else None
-        device_update.shared = () if layer_means is None else layer_means.shared
-        self._variable_updates[key] = device_update
-        return device_update
+        program.compiled = fused_update if indices and self.jit_update else None
+        program.shared = () if layer_means is None else layer_means.shared
+        self._variable_updates[key] = program
+        return program
+
+    def _device_program_variables(self):
+        """The tf.Variables a device's update may touch: the model's
+        trainable ones, the optimizer's (slots, counters) and the GSNR
+        statistics."""
+        statistics = [slot for slot in self._gsnr_monitor.value if slot is not None]
+        keras_variables = [*self._trainable_variables, *self.variables, *statistics]
+        return [_tf_variable(v) for v in keras_variables]
 
     def _fused_update(self, indices):
         """The GSNR update of the large variables at `indices`, as a pair
@@ -173,7 +186,7 @@ class DevicePrograms(RowSparsePrograms):
         (`functional.gsnr_element_sums`), then one conditional for all
         (`functional.mean_gsnrs_of_element_sums`) whose masked branch is a
         program of its own. Both programs take tensors only, so that one
-        trace serves every device (`_TracedOnce`), and the masked one is
+        trace serves every device (`TracedOnce`), and the masked one is
         compiled on a device only when it first runs there. `update` is the
         device's program given those means: each variable's
         `_variable_update` (GSNR, its momentum, the base rule), one after
@@ -196,8 +209,8 @@ class DevicePrograms(RowSparsePrograms):
                 moments_of(sums, squares, samples, replicas), epsilon
             )
 
-        element_sums = _TracedOnce(element_sums, self.jit_update)
-        masked_means = _TracedOnce(masked_means, self.jit_update)
+        element_sums = TracedOnce(element_sums, self.jit_update)
+        masked_means = TracedOnce(masked_means, self.jit_update)
 
         def layer_means(sums, squares, samples, replicas):
             return tf.stack(
@@ -377,33 +390,6 @@ class DevicePrograms(RowSparsePrograms):
         if decays:
             _decay(variable, self.weight_decay, learning_rate)
         self.update_step(tf.cast(scaled_gradient, variable.dtype), variable, learning_rate)
-
-
-class _TracedOnce:
-    """A function of tensors alone (lists of them, or None), traced once and
-    called on every device.
-
-    A `tf.function` called in each device's update context is traced again
-    for each; its concrete function, traced once, runs where it is called
-    (XLA, with `jit_compile`, compiles it once per device, when it first
-    runs there). Keyword arguments are Python values fixed at the trace.
-    """
-
-    def __init__(self, function, jit_compile):
-        self._function = tf.function(function, jit_compile=jit_compile, autograph=False)
-        self._concrete = {}
-
-    def __call__(self, *tensors, **fixed):
-        specs = tf.nest.map_structure(
-            lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), tensors
-        )
-        key = (tuple(sorted(fixed.items())), tuple(tf.nest.flatten(specs)))
-        if key not in self._concrete:
-            self._concrete[key] = self._function.get_concrete_function(*specs, **fixed)
-        return self._concrete[key](*tensors, **fixed)
-
-    def tracing_count(self):
-        return self._function.experimental_get_tracing_count()
 
 
 def _optional(function, value):
