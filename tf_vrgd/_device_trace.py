@@ -48,9 +48,11 @@ class OnEveryDevice:
             self._programs[key] = entry
         if entry.program is None:
             return self._function(*args)
+        # A distributed variable's handle in this device's update context is
+        # this device's copy.
         captures = [
-            copies.handle if copies is not None else captured
-            for captured, copies in zip(entry.program.captured_inputs, entry.copies)
+            captured if variable is None else variable.handle
+            for captured, variable in zip(entry.program.captured_inputs, entry.variables)
         ]
         return entry.program._call_flat([leaves[i] for i in at], captures)
 
@@ -74,15 +76,16 @@ class OnEveryDevice:
             if isinstance(variable, tf.distribute.DistributedValues):
                 for copy in variable.values:
                     containers[id(copy.handle)] = variable
-        copies = []
-        for captured in traced.captured_inputs:
-            copies.append(containers.get(id(captured)))
-            if copies[-1] is None and captured.dtype == tf.resource:
-                return _Program(None, None, None)
+        variables = [containers.get(id(captured)) for captured in traced.captured_inputs]
+        if any(
+            variable is None and captured.dtype == tf.resource
+            for captured, variable in zip(traced.captured_inputs, variables)
+        ):
+            return _Program(None, None, None)
         # A program that captured a tensor of this graph (not a variable's)
         # is traced again in another graph.
         symbolic = any(tf.is_symbolic_tensor(t) for t in traced.captured_inputs)
-        return _Program(traced, copies, tf.compat.v1.get_default_graph() if symbolic else None)
+        return _Program(traced, variables, tf.compat.v1.get_default_graph() if symbolic else None)
 
 
 class _Program(NamedTuple):
@@ -90,7 +93,7 @@ class _Program(NamedTuple):
     captures (or None), and the graph it is bound to (None: any)."""
 
     program: object
-    copies: list
+    variables: list
     graph: object
 
 
