@@ -12,13 +12,11 @@ update, `functional.scale_between_gsnr_updates` between), the slot writes,
 and the base rule's `update_step`.
 """
 
-import functools
-
 import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import functional
-from tf_vrgd._device_trace import CompiledPerStructure, OnEveryDevice, TracedOnce
+from tf_vrgd._device_trace import OnEveryDevice, TracedOnce
 from tf_vrgd._gsnr_intake import flatten
 from tf_vrgd._gsnr_rows import RowSparsePrograms, reduced_moments, row_bundles
 from tf_vrgd._keras_adapters import decay as _decay
@@ -138,36 +136,27 @@ class DevicePrograms(RowSparsePrograms):
             return self._variable_updates[key]
         layer_means = None
         if measure:
-            layer_means, variable_updates = self._fused_update(indices)
+            layer_means, fused_update = self._fused_update(indices)
             packed_update = self._packed_update(packed_indices)
         else:
-            variable_updates = self._fused_scale_update(indices)
+            fused_update = self._fused_scale_update(indices)
             packed_update = self._packed_scale_update(packed_indices)
-        compiled = None
-        if self.jit_update and indices:
-            compiled = CompiledPerStructure(variable_updates)
-            variable_updates = [functools.partial(compiled, i) for i in range(len(indices))]
+        if self.jit_update:
+            fused_update = tf.function(fused_update, jit_compile=True, autograph=False)
         row_update = self._row_sparse_update(sparse_indices, measure)
         count = len(indices)
 
         # Plain Python over fixed lists, kept from autograph: converted inside
         # a one-device tf.function, in a process that has converted other
-        # optimizers' updates, the closure fails to find the updates.
+        # optimizers' updates, the closure fails to find `fused_update`.
         @tf.autograph.experimental.do_not_convert
         def device_update(sums, squares, row_messages, *scalars):
-            if indices:
-                squares_of_large = [None] * count if squares is None else squares[:count]
-                if layer_means is not None:
-                    samples, replicas = scalars[0], scalars[-1]
-                    means = tf.unstack(
-                        layer_means(sums[:count], squares[:count], samples, replicas)
-                    )
-                else:
-                    means = [None] * count
-                for update, total, square, mean in zip(
-                    variable_updates, sums[:count], squares_of_large, means
-                ):
-                    update(total, square, *scalars, mean)
+            if indices and layer_means is not None:
+                samples, replicas = scalars[0], scalars[-1]
+                means = layer_means(sums[:count], squares[:count], samples, replicas)
+                fused_update(sums[:count], squares[:count], *scalars, means)
+            elif indices:
+                fused_update(sums[:count], squares and squares[:count], *scalars)
             if packed_indices:
                 packed_update(sums[count], squares and squares[count], *scalars)
             if sparse_indices:
@@ -176,7 +165,7 @@ class DevicePrograms(RowSparsePrograms):
         program = OnEveryDevice(device_update, self._device_program_variables)
         # The compiled program, whose traces the tests count, and the
         # programs every device shares.
-        program.compiled = compiled
+        program.compiled = fused_update if indices and self.jit_update else None
         program.shared = () if layer_means is None else layer_means.shared
         self._variable_updates[key] = program
         return program
@@ -232,16 +221,16 @@ class DevicePrograms(RowSparsePrograms):
                 )
             )
 
-        def variable_update(update):
-            def update_from_sums(total, square, samples, learning_rate, step, replicas, mean):
-                gradient_mean, second_moment = reduced_moments(total, square, samples, replicas)
-                hyper = self._shared_scalars(step)
-                update(gradient_mean, second_moment, mean, learning_rate, hyper)
-
-            return update_from_sums
+        def update(sums, squares, samples, learning_rate, step, replicas, means):
+            hyper = self._shared_scalars(step)
+            moments = moments_of(sums, squares, samples, replicas)
+            for update, (gradient_mean, second_moment), layer_mean in zip(
+                updates, moments, tf.unstack(means)
+            ):
+                update(gradient_mean, second_moment, layer_mean, learning_rate, hyper)
 
         layer_means.shared = (element_sums, masked_means)
-        return layer_means, [variable_update(update) for update in updates]
+        return layer_means, update
 
     def _fused_scale_update(self, indices):
         """The update between GSNR updates of the large variables at
@@ -251,19 +240,16 @@ class DevicePrograms(RowSparsePrograms):
         variables, decays, _ = self._update_targets(indices)
         scale_slots = [self._gsnr_scales[i] for i in indices]
         momentum_slots = [self._gsnr_momentums[i] for i in indices]
+        targets = list(zip(variables, decays, scale_slots, momentum_slots))
 
-        def scale_update(variable, decays, scale_slot, momentum_slot):
-            def update(total, squares, samples, learning_rate, gsnr_updates, replicas, mean):
+        def fused_update(sums, squares, samples, learning_rate, gsnr_updates, replicas):
+            for (variable, decays, scale_slot, momentum_slot), total in zip(targets, sums):
                 gradient_mean, applied = functional.scale_between_gsnr_updates(
                     total, samples, scale_slot, momentum_slot, self.beta_3, gsnr_updates
                 )
                 self._apply_base_rule(variable, decays, applied * gradient_mean, learning_rate)
 
-            return update
-
-        return [
-            scale_update(*target) for target in zip(variables, decays, scale_slots, momentum_slots)
-        ]
+        return fused_update
 
     def _shared_scalars(self, step):
         """Scalars shared by every variable of an update: one constant each
