@@ -296,7 +296,7 @@ def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulati
     # where a program per kernel and device would make 20 and 64. Each
     # kernel's gradients have a scale of their own, and every kernel's
     # weights are checked against the numpy reference.
-    programs = {}
+    traces = {}
     steps = accumulation_steps or 1
     for layers in (5, 16):
         with strategy.scope():
@@ -316,7 +316,7 @@ def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulati
         stream = helpers.gradient_stream(shapes, 3 * steps, 4, scales, seed=layers)
         helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
         assert int(optimizer.iterations.numpy()) == 3  # updates, not micro-steps
-        programs[layers] = _update_traces(optimizer)
+        traces[layers] = _update_traces(optimizer)
         reference = ref.VRReference(initial, ref.sgd(0.1, 0.9), 0.1, 0.5, gsnr_interval=interval)
         for samples in helpers.samples_per_update(stream, steps):
             expected = reference.update(samples)
@@ -324,7 +324,7 @@ def test_compiled_update_count_does_not_grow_with_variables(strategy, accumulati
             model.get_weights(), expected, f"{layers} layers (4 replicas)", rtol=1e-4
         )
     # At N = 2 the updates between GSNR updates have a program of their own.
-    assert programs == ({5: 1, 16: 1} if interval == 1 else {5: 2, 16: 2})
+    assert traces == ({5: 1, 16: 1} if interval == 1 else {5: 2, 16: 2})
 
 
 def test_larc_wraps_a_vr_optimizer(strategy):
