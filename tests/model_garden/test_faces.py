@@ -189,6 +189,25 @@ def test_the_larc_face_updates_as_its_keras_3_twin(strategy):
     assert int(face.iterations.numpy()) == 4
 
 
+def test_either_kind_of_larc_is_a_larc_and_saves_as_one():
+    """LARC around a face and around tf_keras' own SGD: both `LARC`s,
+    serialized under the class name LARC, rebuilt as the same kind."""
+    for wrapped, kind in (
+        (_larc_face(), optimizers.FaceLARC),
+        (optimizers.LARC(tf_keras.optimizers.legacy.SGD(0.1)), optimizers.TFKerasLARC),
+    ):
+        assert isinstance(wrapped, optimizers.LARC) and isinstance(wrapped, kind)
+        saved = tf_keras.optimizers.serialize(wrapped, use_legacy_format=True)
+        assert saved["class_name"] == "LARC"
+        again = tf_keras.optimizers.deserialize(
+            saved, custom_objects=optimizers.FACES, use_legacy_format=True
+        )
+        assert type(again) is kind and again.get_config() == {
+            **wrapped.get_config(),
+            "name": again.get_config()["name"],
+        }
+
+
 def test_the_larc_face_config_round_trips():
     config = _larc_face().get_config()
     assert config["trust_coefficient"] == 0.05 and config["optimizer"]["class_name"] == "VRSGD"
@@ -257,7 +276,7 @@ def test_larc_around_a_tf_keras_optimizer_matches_the_numpy_reference(strategy):
     with strategy.scope():
         variables = [tf.Variable(w) for w in _initial()]
         wrapped = _tf_keras_larc()
-    assert isinstance(wrapped, optimizers.TFKerasLARC)
+    assert isinstance(wrapped, optimizers.LARC) and isinstance(wrapped, optimizers.TFKerasLARC)
     _apply_face(strategy, wrapped, variables, stream)
     means = [[np.mean([r[i] for r in step], axis=0) for i in range(len(SHAPES))] for step in stream]
     expected = ref.run_larc_sgd(

@@ -31,9 +31,15 @@ inside `apply`, in the replica context where Model Garden calls it (under
   face: the face keeps each replica's gradients apart where the wrapper
   would reduce them, and makes an overflow on any replica visible to the
   wrapper's check of the first one, so that every replica skips the update.
-- `LARC` wraps a face, or any other tf_keras legacy optimizer
-  (`TFKerasLARC`, which applies `tf_vrgd.functional.larc_gradient` inside
-  that optimizer's own per-variable update).
+- `LARC` wraps a face, or any other tf_keras legacy optimizer; either way
+  the object is a `LARC` (a `FaceLARC` or a `TFKerasLARC`, which applies
+  `tf_vrgd.functional.larc_gradient` inside that optimizer's own
+  per-variable update).
+- tf_keras' `model.save` and `load_model`: in HDF5, where tf_keras keeps
+  its own optimizers' state, a face's whole state is kept too (tf_keras
+  asks the face to make its weights, which builds the twin, then sets
+  them); in `.keras` and SavedModel, where tf_keras 2.21 keeps no legacy
+  optimizer's state, neither is a face's.
 - Not taken: tf_keras' `gradient_aggregator` and `gradient_transformers`
   (the twin reduces the gradients itself; transformers would change them
   after the VR moments are taken), and tf_keras' `decay`.
@@ -175,6 +181,13 @@ class KerasOptimizerFace(tf_keras.optimizers.legacy.Optimizer):
         with tf.init_scope():
             self._keras_optimizer.build(variables)
 
+    def _create_all_weights(self, var_list):
+        """What tf_keras calls to make an optimizer's state before it sets
+        the saved values (`load_model` of an HDF5 file, then
+        `set_weights`): the twin's slots, which are the face's weights."""
+        if not self._keras_optimizer.built:
+            self._build(var_list)
+
     def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
         grads_and_vars = self._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
         return self.apply_gradients(grads_and_vars, name=name)
@@ -269,31 +282,87 @@ VRLARS = _face(tf_vrgd.VRLARS)
 VRLAMB = _face(tf_vrgd.VRLAMB)
 
 
-class LARC(KerasOptimizerFace):
-    """tf_keras face of `tf_vrgd.LARC` around another face of this module
-    (its twin wraps the inner face's twin): `tf_vrgd.LARC`'s arguments and
-    defaults. The learning rate is the inner face's.
+class LARC(tf_keras.optimizers.legacy.Optimizer):
+    """tf_keras face of `tf_vrgd.LARC`: `tf_vrgd.LARC`'s arguments and
+    defaults, around a face of this module or around any other tf_keras
+    legacy optimizer. The learning rate, slots and update count are those
+    of the optimizer it wraps.
+
+    `LARC(optimizer)` is one of two kinds, both `LARC`s (and both named
+    LARC in a saved config, so that `custom_objects=FACES` loads either):
+
+    - `FaceLARC` around a face (`VRSGD(...)`, `LAMB(...)`, ...): a face
+      whose twin is `tf_vrgd.LARC` around the inner face's twin.
+    - `TFKerasLARC` around a tf_keras optimizer without a twin
+      (`tf_keras.optimizers.legacy.SGD`, `Adam`, ...): the rule applied
+      inside that optimizer's own per-variable update.
+
+    Either way the rule is `tf_vrgd.functional.larc_gradient`, on the
+    cross-replica mean gradient after the wrapped optimizer's clipping, at
+    its current learning rate.
 
     Args:
-        optimizer: A face of this module (`VRSGD(...)`, `LAMB(...)`, ...).
+        optimizer: A face of this module other than LARC, or a tf_keras
+            legacy optimizer other than a LARC or a LossScaleOptimizer.
         **kwargs: `tf_vrgd.LARC`'s other arguments (`trust_coefficient`,
             `clip`, `epsilon`, `weight_decay`, `name`).
     """
 
-    keras_class = tf_vrgd.LARC
-
-    def __new__(cls, optimizer=None, **kwargs):
-        # Any other tf_keras optimizer: LARC applied around it here.
-        if (
-            cls is LARC
-            and isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer)
-            and not isinstance(optimizer, KerasOptimizerFace | TFKerasLARC)
-        ):
-            return TFKerasLARC(optimizer, **kwargs)
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        if cls is LARC:
+            if not isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+                raise ValueError(
+                    "`optimizer` must be a face of tf_vrgd.model_garden.optimizers (e.g. "
+                    "VRSGD(0.1)) or another tf_keras legacy optimizer; LARC around a Keras 3 "
+                    f"optimizer is tf_vrgd.LARC. Received: optimizer={optimizer!r}"
+                )
+            cls = FaceLARC if isinstance(optimizer, KerasOptimizerFace) else TFKerasLARC
         return super().__new__(cls)
 
+    @property
+    def inner_optimizer(self):
+        """The wrapped tf_keras optimizer."""
+        raise NotImplementedError
+
+    def get_config(self):
+        return {
+            "name": self._name,
+            "optimizer": tf_keras.optimizers.serialize(
+                self.inner_optimizer, use_legacy_format=True
+            ),
+            **larc.rule_config(self),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Rebuilds either kind: the wrapped optimizer's config decides."""
+        config = copy.deepcopy(config)  # tf_keras' deserialize edits its argument
+        optimizer = tf_keras.optimizers.deserialize(
+            config.pop("optimizer"),
+            custom_objects={**FACES, **(custom_objects or {})},
+            use_legacy_optimizer=True,
+            use_legacy_format=True,
+        )
+        return LARC(optimizer, **config)
+
+
+def _attribute_of(holder, name):
+    """A property read from and written to `self.<holder>.<name>`."""
+    return property(
+        lambda self: getattr(getattr(self, holder), name),
+        lambda self, value: setattr(getattr(self, holder), name, value),
+        doc=f"`{name}` of the wrapped optimizer.",
+    )
+
+
+class FaceLARC(LARC, KerasOptimizerFace):
+    """`LARC` around a face of this module: its twin is `tf_vrgd.LARC`
+    around the inner face's twin, tracked as ``keras_optimizer``."""
+
+    keras_class = tf_vrgd.LARC
+
     def __init__(self, optimizer, **kwargs):
-        refuse_tf_keras_arguments(type(self).__name__, kwargs)
+        refuse_tf_keras_arguments("LARC", kwargs)
         kwargs.pop("learning_rate", None)  # the inner optimizer's
         if not isinstance(optimizer, KerasOptimizerFace) or isinstance(optimizer, LARC):
             raise ValueError(
@@ -307,39 +376,21 @@ class LARC(KerasOptimizerFace):
             optimizer.learning_rate_argument,
         )
 
-    def get_config(self):
-        config = {
-            k: v
-            for k, v in self._keras_optimizer.get_config().items()
-            if k not in ("optimizer", "name")
-        }
-        inner = {"class_name": type(self._inner).__name__, "config": self._inner.get_config()}
-        return {"name": self._name, "optimizer": inner, **config}
+    @property
+    def inner_optimizer(self):
+        return self._inner
 
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        inner = config.pop("optimizer")
-        optimizer = FACES[inner["class_name"]].from_config(inner["config"], custom_objects)
-        return cls(optimizer, **config)
+    trust_coefficient = _attribute_of("_keras_optimizer", "trust_coefficient")
+    clip = _attribute_of("_keras_optimizer", "clip")
+    epsilon = _attribute_of("_keras_optimizer", "epsilon")
+    weight_decay = _attribute_of("_keras_optimizer", "weight_decay")
 
 
-def _inner_attribute(name):
-    """A property read from and written to the wrapped optimizer's `name`."""
-    return property(
-        lambda self: getattr(self._optimizer, name),
-        lambda self, value: setattr(self._optimizer, name, value),
-        doc=f"The wrapped optimizer's `{name}`.",
-    )
+class TFKerasLARC(LARC):
+    """`LARC` around a tf_keras legacy optimizer that has no Keras 3 twin
+    (`tf_keras.optimizers.legacy.SGD`, `Adam`, `RMSprop`, ...).
 
-
-class TFKerasLARC(tf_keras.optimizers.legacy.Optimizer):
-    """LARC around a tf_keras legacy optimizer that has no Keras 3 twin
-    (`tf_keras.optimizers.legacy.SGD`, `Adam`, `RMSprop`, ...): what
-    `LARC(optimizer)` returns for one.
-
-    The rule is `tf_vrgd.functional.larc_gradient`, the one `tf_vrgd.LARC`
-    applies, and it is applied where `tf_vrgd.LARC` applies it: inside the
+    The rule is applied where `tf_vrgd.LARC` applies it: inside the
     wrapped optimizer's per-variable, per-device update
     (`_resource_apply_dense`), so on the cross-replica sum of the gradients
     after the wrapped optimizer's own clipping, at its current learning
@@ -366,13 +417,13 @@ class TFKerasLARC(tf_keras.optimizers.legacy.Optimizer):
         name=None,
         **kwargs,
     ):
-        refuse_tf_keras_arguments(type(self).__name__, kwargs)
+        refuse_tf_keras_arguments("LARC", kwargs)
         kwargs.pop("learning_rate", None)  # the inner optimizer's
         if kwargs:
-            raise TypeError(f"TFKerasLARC got unexpected arguments: {sorted(kwargs)}")
+            raise TypeError(f"LARC got unexpected arguments: {sorted(kwargs)}")
         if not isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer) or isinstance(
             optimizer,
-            KerasOptimizerFace | TFKerasLARC | tf_keras.mixed_precision.LossScaleOptimizer,
+            KerasOptimizerFace | LARC | tf_keras.mixed_precision.LossScaleOptimizer,
         ):
             raise ValueError(
                 "`optimizer` must be a tf_keras legacy optimizer other than a face, a LARC "
@@ -424,8 +475,8 @@ class TFKerasLARC(tf_keras.optimizers.legacy.Optimizer):
     def inner_optimizer(self):
         return self._optimizer
 
-    iterations = _inner_attribute("iterations")
-    learning_rate = _inner_attribute("learning_rate")
+    iterations = _attribute_of("_optimizer", "iterations")
+    learning_rate = _attribute_of("_optimizer", "learning_rate")
 
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
         return self._optimizer.apply_gradients(
@@ -434,30 +485,17 @@ class TFKerasLARC(tf_keras.optimizers.legacy.Optimizer):
             experimental_aggregate_gradients=experimental_aggregate_gradients,
         )
 
+    def _create_all_weights(self, var_list):
+        # tf_keras' HDF5 loading: the wrapped optimizer's slots, which are
+        # this one's weights.
+        self._optimizer._create_all_weights(var_list)
+
     def variables(self):
         return self._optimizer.variables()
 
     @property
     def weights(self):
         return self._optimizer.weights
-
-    def get_config(self):
-        return {
-            "name": self._name,
-            "optimizer": tf_keras.optimizers.serialize(self._optimizer, use_legacy_format=True),
-            **larc.rule_config(self),
-        }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = copy.deepcopy(config)  # tf_keras' deserialize edits its argument
-        optimizer = tf_keras.optimizers.deserialize(
-            config.pop("optimizer"),
-            custom_objects=custom_objects,
-            use_legacy_optimizer=True,
-            use_legacy_format=True,
-        )
-        return cls(optimizer, **config)
 
     def _create_slots(self, var_list):
         pass
@@ -467,6 +505,11 @@ class TFKerasLARC(tf_keras.optimizers.legacy.Optimizer):
 
     def _resource_apply_sparse(self, grad, handle, indices, apply_state):
         raise NotImplementedError("LARC applies its gradients through its inner optimizer.")
+
+
+# tf_keras writes a class' `__name__` as the `class_name` of a saved config:
+# both kinds are written as LARC, and `LARC.from_config` picks the kind again.
+FaceLARC.__name__ = TFKerasLARC.__name__ = "LARC"
 
 
 #: Every face, by the class name it shares with its Keras 3 twin.
