@@ -21,22 +21,34 @@ def relative_error(actual, expected):
     return float(np.max(np.abs(actual - expected)) / scale)
 
 
-def assert_close(actual, expected, name, rtol=2e-5):
-    """Asserts inf-norm relative closeness and records the error."""
-    actual = np.asarray(actual)
-    expected = np.asarray(expected)
+def assert_close(actual, expected, name, rtol=2e-5, start=None):
+    """Asserts inf-norm relative closeness and records the error.
+
+    With `start` (the weights before the updates), the updates are compared:
+    ``actual - start`` against ``expected - start``, relative to the
+    expected update, not to the weights (an error of 1% of the update may
+    be 1e-5 of the weights)."""
+    actual = np.asarray(actual, np.float64 if start is not None else None)
+    expected = np.asarray(expected, np.float64 if start is not None else None)
     assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
     assert np.all(np.isfinite(actual)), f"{name}: non-finite values"
+    if start is not None:
+        start = np.asarray(start, np.float64)
+        actual, expected = actual - start, expected - start
+        assert np.max(np.abs(expected)) > 0, f"{name}: the expected update is zero"
     error = relative_error(actual, expected)
     WORST_RELATIVE_ERRORS[name] = max(WORST_RELATIVE_ERRORS.get(name, 0.0), error)
     assert error <= rtol, f"{name}: relative error {error:.3e} > {rtol:.1e}"
 
 
-def assert_all_close(actual, expected, name, rtol=2e-5):
-    """`assert_close` on each pair of two equally long lists of arrays."""
+def assert_all_close(actual, expected, name, rtol=2e-5, start=None):
+    """`assert_close` on each pair of two equally long lists of arrays (and
+    of `start`, a list of the weights before, when given)."""
     assert len(actual) == len(expected), (name, len(actual), len(expected))
-    for a, e in zip(actual, expected):
-        assert_close(a, e, name, rtol)
+    starts = [None] * len(actual) if start is None else list(start)
+    assert len(starts) == len(actual), (name, len(starts), len(actual))
+    for a, e, s in zip(actual, expected, starts):
+        assert_close(a, e, name, rtol, start=s)
 
 
 def norm(x):

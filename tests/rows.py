@@ -131,11 +131,12 @@ def run(strategy, make_optimizer, stream, table_rows=ROWS, dense=False):
     return initial, [v.numpy() for v in variables], optimizer
 
 
-def assert_matches(got, expected, label):
-    """Each variable (the table, then the kernel) against the reference,
-    recorded under `label` with the variable's name put in."""
-    for g, e, what in zip(got, expected, ("table", "kernel")):
-        ref.assert_close(g, e, label.format(what=what), rtol=1e-4)
+def assert_matches(got, expected, label, initial):
+    """Each variable's update (the table, then the kernel) against the
+    reference's from `initial`, recorded under `label` with the variable's
+    name put in."""
+    for g, e, w0, what in zip(got, expected, initial, ("table", "kernel")):
+        ref.assert_close(g, e, label.format(what=what), rtol=1e-4, start=w0)
 
 
 def reference(case, initial, samples, **extra):

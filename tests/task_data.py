@@ -73,10 +73,11 @@ def _cifar_arrays(count, seed):
 CIFAR_TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
 
 
-def write_cifar(folder, per_file, python=False, seed=0):
+def write_cifar(folder, per_file, python=False, seed=0, label=None):
     """CIFAR-10's five train batches and its test batch: binary
     (`<name>.bin`, label byte then 3072 bytes in CHW order) or python
-    (pickled dicts of b"data" [n, 3072] CHW rows and b"labels").
+    (pickled dicts of b"data" [n, 3072] CHW rows and b"labels"); every
+    label `label` if given (a mean gradient that stands out of the noise).
     Returns {"train": (images, labels), "test": ...} in HWC order."""
     os.makedirs(folder, exist_ok=True)
     written = {}
@@ -84,6 +85,8 @@ def write_cifar(folder, per_file, python=False, seed=0):
         images, labels = [], []
         for i, name in enumerate(names):
             x, y = _cifar_arrays(per_file, seed * 100 + i + (50 if split == "test" else 0))
+            if label is not None:
+                y = np.full_like(y, label)
             rows = x.transpose(0, 3, 1, 2).reshape(per_file, -1)
             if python:
                 with open(os.path.join(folder, name), "wb") as f:
@@ -116,12 +119,12 @@ def write_imagenet_records(path, count, size=(48, 64), num_classes=1001, seed=0)
     return labels
 
 
-def write_criteo(path, count, seed=0):
+def write_criteo(path, count, seed=0, label=None):
     """Criteo TSV lines: label, 13 integer features (some missing, some
     negative), 26 hexadecimal categories (some missing). Returns the label
     and integer columns (NaN where missing)."""
     rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 2, count)
+    labels = rng.integers(0, 2, count) if label is None else np.full(count, label)
     dense = rng.integers(-2, 1000, (count, 13)).astype(np.float64)
     dense[rng.random((count, 13)) < 0.1] = np.nan
     with open(path, "w") as f:

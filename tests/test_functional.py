@@ -1,5 +1,7 @@
 """Each pure piece of tf_vrgd.functional against its numpy reference."""
 
+import zlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -7,7 +9,15 @@ import tensorflow as tf
 from tests import references as ref
 from tf_vrgd import functional
 
-RNG = np.random.default_rng(0)
+RNG = np.random.default_rng(0)  # reseeded for each test (below)
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    """Each test's data from a seed of its own name: the same whichever
+    tests ran before it, and in whatever order."""
+    global RNG
+    RNG = np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def _tensor(shape, scale):

@@ -18,6 +18,7 @@ def test_ema_overwrite_on_one_device_matches_keras_adam():
     # gamma = 1, beta_3 = 0: VR-Adam is Adam, so the EMA overwrites must be too.
     stream = helpers.gradient_stream(helpers.model_shapes(), 6, seed=31)
     results = []
+    initial = helpers.make_model().get_weights()
     for optimizer in (
         keras.optimizers.Adam(0.05, gradient_accumulation_steps=2, **EMA),
         tf_vrgd.VRAdam(0.05, gamma=1.0, beta_3=0.0, gradient_accumulation_steps=2, **EMA),
@@ -25,8 +26,9 @@ def test_ema_overwrite_on_one_device_matches_keras_adam():
         model = helpers.make_model()
         helpers.apply_stream(optimizer, model.trainable_variables, stream, compiled=True)
         results.append(model.get_weights())
-    for got, expected in zip(results[1], results[0]):
-        ref.assert_close(got, expected, "VRAdam EMA overwrite vs Adam", rtol=1e-5)
+    ref.assert_all_close(
+        results[1], results[0], "VRAdam EMA overwrite vs Adam", rtol=1e-5, start=initial
+    )
 
 
 def test_ema_overwrite_under_mirrored_strategy_matches_keras_adam(strategy):
@@ -39,11 +41,11 @@ def test_ema_overwrite_under_mirrored_strategy_matches_keras_adam(strategy):
     helpers.apply_stream(
         keras.optimizers.Adam(0.05, **EMA), model.trainable_variables, mean, compiled=True
     )
-    _, vr, _ = helpers.run_mirrored(
+    initial, vr, _ = helpers.run_mirrored(
         strategy, lambda: tf_vrgd.VRAdam(0.05, gamma=1.0, beta_3=0.0, **EMA), stream
     )
-    for got, expected in zip(vr, model.get_weights()):
-        ref.assert_close(got, expected, "VRAdam EMA overwrite vs Adam (4 replicas)", rtol=1e-5)
+    label = "VRAdam EMA overwrite vs Adam (4 replicas)"
+    ref.assert_all_close(vr, model.get_weights(), label, rtol=1e-5, start=initial)
 
 
 @pytest.mark.parametrize("accumulation", [None, 2])
@@ -76,8 +78,8 @@ def test_plain_tf_variables_train_like_keras_variables(strategy, accumulation):
         statistics = optimizer.gsnr_statistics()
         assert sorted(statistics) == [f"w{i}" for i in range(4)]
         assert all(s["updates"] == 4 // (accumulation or 1) for s in statistics.values())
-    for got, expected in zip(*results[::-1]):
-        ref.assert_close(got, expected, "VRAdam on tf.Variable vs keras.Variable", rtol=1e-6)
+    label = "VRAdam on tf.Variable vs keras.Variable"
+    ref.assert_all_close(results[1], results[0], label, rtol=1e-6, start=initial)
 
 
 def test_zero_size_variable_with_accumulation_and_statistics():
@@ -181,8 +183,8 @@ def test_mid_accumulation_state_restores_under_another_replica_count(strategy, t
         for i in range(len(shapes))
     ]
     expected = ref.VRReference(initial, ref.sgd(0.5), 0.1, 0.0).update(samples)
-    for got, want in zip(restored.get_weights(), expected):
-        ref.assert_close(got, want, f"VRSGD resumed mid-accumulation ({fmt})", rtol=1e-5)
+    label = f"VRSGD resumed mid-accumulation ({fmt})"
+    ref.assert_all_close(restored.get_weights(), expected, label, rtol=1e-5, start=initial)
 
 
 def _float8_model(strategy):

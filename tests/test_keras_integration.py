@@ -92,10 +92,11 @@ def test_model_save_and_load_restore_optimizer_and_state(name, tmp_path):
         np.testing.assert_array_equal(a, b)
 
     # Both continue identically: hyper-parameters and state were all kept.
+    saved = model.get_weights()
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     loaded.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-    for a, b in zip(model.get_weights(), loaded.get_weights()):
-        ref.assert_close(b, a, f"{name} save/load continuation", rtol=1e-6)
+    label = f"{name} save/load continuation"
+    ref.assert_all_close(loaded.get_weights(), model.get_weights(), label, rtol=1e-6, start=saved)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -114,6 +115,7 @@ def test_checkpoint_lockstep(name, tmp_path):
     prefix = tf.train.Checkpoint(model=interrupted, optimizer=interrupted.optimizer).save(
         str(tmp_path / "ckpt")
     )
+    at_checkpoint = interrupted.get_weights()
 
     resumed = helpers.compile_classifier(_model(seed=123), OPTIMIZERS[name]())
     resumed.optimizer.build(resumed.trainable_variables)
@@ -123,20 +125,22 @@ def test_checkpoint_lockstep(name, tmp_path):
     assert int(resumed.optimizer.iterations.numpy()) == len(first)
     for xb, yb in rest:
         resumed.train_on_batch(xb, yb)
-    for a, b in zip(straight.get_weights(), resumed.get_weights()):
-        ref.assert_close(b, a, f"{name} checkpoint lockstep", rtol=1e-6)
+    label = f"{name} checkpoint lockstep"
+    ref.assert_all_close(
+        resumed.get_weights(), straight.get_weights(), label, rtol=1e-6, start=at_checkpoint
+    )
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_xla_equals_non_xla_on_one_device(name):
     x, y = _data()
     runs = []
+    initial = _model().get_weights()
     for jit in (False, True):
         model = helpers.compile_classifier(_model(), OPTIMIZERS[name](), jit_compile=jit)
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         runs.append(model.get_weights())
-    for a, b in zip(*runs):
-        ref.assert_close(b, a, f"{name} XLA vs non-XLA", rtol=1e-4)
+    ref.assert_all_close(runs[1], runs[0], f"{name} XLA vs non-XLA", rtol=1e-4, start=initial)
 
 
 # --- Mixed precision ---------------------------------------------------------
@@ -226,6 +230,7 @@ def test_sparse_gradients_equal_dense(name):
         for _ in range(4)
     ]
     results = []
+    initial = _embedding_model().get_weights()
     for densify in (False, True):
         model = _embedding_model()
         optimizer = OPTIMIZERS[name]()
@@ -239,8 +244,7 @@ def test_sparse_gradients_equal_dense(name):
                 assert isinstance(grads[0], tf.IndexedSlices)
             optimizer.apply(grads, model.trainable_variables)
         results.append(model.get_weights())
-    for a, b in zip(*results):
-        ref.assert_close(a, b, f"{name} sparse vs dense", rtol=1e-5)
+    ref.assert_all_close(*results, f"{name} sparse vs dense", rtol=1e-5, start=initial)
 
 
 @pytest.mark.parametrize("name", ["LARS", "LARC(SGD)"])

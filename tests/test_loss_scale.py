@@ -19,18 +19,25 @@ def _scaled(stream):
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: tf_vrgd.VRAdam(0.01), lambda: keras.optimizers.Adam(0.01)],
-    ids=["VRAdam", "Adam"],
+    [
+        lambda: tf_vrgd.VRAdam(0.01),
+        lambda: keras.optimizers.Adam(0.01),
+        # SGD's step is linear in the gradient: a gradient left scaled, or
+        # unscaled by the wrong factor, shows in it (Adam's hardly moves).
+        lambda: tf_vrgd.VRSGD(0.01),
+        lambda: keras.optimizers.SGD(0.01),
+    ],
+    ids=["VRAdam", "Adam", "VRSGD", "SGD"],
 )
 def test_an_overflow_on_one_replica_skips_the_step_everywhere(strategy, make):
     stream = helpers.gradient_stream(helpers.model_shapes(), steps=3, replicas=4)
-    _, expected, _ = helpers.run_mirrored(strategy, make, stream)
+    initial, expected, _ = helpers.run_mirrored(strategy, make, stream)
     with strategy.scope():
         model = helpers.make_model()
         wrapped = tf_vrgd.LossScaleOptimizer(make(), initial_scale=SCALE)
     helpers.apply_stream_mirrored(strategy, wrapped, model.trainable_variables, _scaled(stream))
-    for got, want in zip(model.get_weights(), expected):
-        ref.assert_close(got, want, "LossScaleOptimizer(finite steps) vs the inner optimizer")
+    label = "LossScaleOptimizer(finite steps) vs the inner optimizer"
+    ref.assert_all_close(model.get_weights(), expected, label, start=initial)
 
     overflow = helpers.gradient_stream(helpers.model_shapes(), steps=1, replicas=4, seed=9)
     overflow[0][2][0][1, 1] = np.inf

@@ -385,12 +385,14 @@ TASK_RUNS = {
 
 
 def _write(kind, path):
+    # One label throughout: the loss' mean gradient stands out of the
+    # noise of 3 updates of a few examples, so the noise scale is resolved.
     if kind == "bert":
         task_data.write_bert_records(path, 32, 16, 4, 200)
     elif kind == "resnet":
-        task_data.write_cifar(path, 16)
+        task_data.write_cifar(path, 16, label=3)
     else:
-        task_data.write_criteo(path, 64)
+        task_data.write_criteo(path, 64, label=1)
 
 
 @pytest.mark.parametrize("kind", TASK_RUNS)
@@ -415,9 +417,9 @@ def test_task_trains_from_files_with_its_twin_and_resumes(kind, tmp_path):
     assert set(runs) == {vr, base}
     # The VR run's gradient noise scale at its first and last interval,
     # the last interval's record; none for the base optimizer.
-    np.testing.assert_equal(
-        runs[vr]["noise_scale_end"], _records(output / vr)[-1]["train_noise_scale"]
-    )
+    noise_scale_end = runs[vr]["noise_scale_end"]
+    assert np.isfinite(noise_scale_end) and noise_scale_end > 0, noise_scale_end
+    assert noise_scale_end == _records(output / vr)[-1]["train_noise_scale"]
     assert np.isnan(runs[base]["noise_scale_end"])
     for name in (vr, base):
         records = _records(output / name)

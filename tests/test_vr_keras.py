@@ -102,10 +102,11 @@ def test_config_round_trip_and_save_load(name, tmp_path):
     assert loaded.optimizer.get_config()["gamma"] == 0.2
     for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+    saved = model.get_weights()
     for model_ in (model, loaded):
         model_.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-    for a, b in zip(model.get_weights(), loaded.get_weights()):
-        ref.assert_close(b, a, f"{name} save/load continuation", rtol=1e-6)
+    label = f"{name} save/load continuation"
+    ref.assert_all_close(loaded.get_weights(), model.get_weights(), label, rtol=1e-6, start=saved)
 
 
 # VR-Adam only: every VR class shares the hook's state handling, and this
@@ -136,10 +137,13 @@ def test_checkpoint_lockstep_under_mirrored_strategy(strategy, name, tmp_path):
     tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(
         prefix
     ).assert_existing_objects_matched()
+    at_checkpoint = interrupted.get_weights()
     resumed.fit(dataset.skip(5), epochs=1, verbose=0)
     resumed.fit(dataset, epochs=1, verbose=0)
-    for a, b in zip(straight.get_weights(), resumed.get_weights()):
-        ref.assert_close(b, a, f"{name} checkpoint lockstep (4 replicas)", rtol=1e-5)
+    label = f"{name} checkpoint lockstep (4 replicas)"
+    ref.assert_all_close(
+        resumed.get_weights(), straight.get_weights(), label, rtol=1e-5, start=at_checkpoint
+    )
 
 
 BASE_SLOTS = {"VR-SGD": 0, "VR-Momentum": 1, "VR-Adam": 2, "VR-LARS": 1, "VR-LAMB": 2}
@@ -188,6 +192,7 @@ def test_sparse_gradients_equal_dense(strategy, name):
             # path is tested elsewhere, and compiling it here doubles the time.
             optimizer = VR[name](jit_update=False)
             optimizer.build(model.trainable_variables)
+            initial = model.get_weights()
 
         @tf.function
         def step(xb, yb):
@@ -207,8 +212,7 @@ def test_sparse_gradients_equal_dense(strategy, name):
             ):
                 step(xb, yb)
         results.append(model.get_weights())
-    for a, b in zip(*results):
-        ref.assert_close(a, b, f"{name} sparse vs dense (4 replicas)", rtol=1e-5)
+    ref.assert_all_close(*results, f"{name} sparse vs dense (4 replicas)", rtol=1e-5, start=initial)
 
 
 def test_loss_scale_optimizer_skips_non_finite_steps_and_keeps_all_state(strategy):
