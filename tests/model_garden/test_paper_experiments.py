@@ -106,6 +106,17 @@ def test_the_bert_paper_configs_train_in_model_garden(phase, tmp_path):
     assert len(losses) == 8 and np.all(np.isfinite(losses)), output[-2000:]
     steps, _ = _optimizer_steps(tmp_path / "run", 16)
     assert steps == 16
+    # The logged rate, read at the update count (Model Garden logs the
+    # schedule at `optimizer.iterations`, the face's updates): the file's
+    # linear warm-up to its polynomial decay's value at the warm-up's end.
+    peak, warmup, decay, accumulation = {1: (0.007, 2000, 7038, 1), 2: (0.0055, 200, 782, 8)}[phase]
+    updates = [step // accumulation for step in range(2, 17, 2)]
+    np.testing.assert_allclose(
+        helpers.model_garden_logs(output, "learning_rate"),
+        [peak * (1 - warmup / decay) * u / warmup for u in updates],
+        rtol=1e-5,
+        atol=1e-12,
+    )
     # Checkpoints every 2 micro-steps: phase 2 (A = 8) changes the weights
     # at micro-steps 8 and 16 only, phase 1 at each.
     weights = {step: _weights(tmp_path / "run", step) for step in (10, 14, 16)}
