@@ -86,13 +86,8 @@ def test_two_workers_match_the_numpy_reference(worker_results):
         expected = reference.update(samples)
     # (worker.VR_MOMENTUM's variance floor keeps the float32 error of the
     # raw GSNR, ~1e-7 * s / var, to 1e-4 of it.)
-    ref.assert_all_close(
-        _weights(worker_results[0], "momentum"),
-        expected,
-        "VR-Momentum, 2 workers",
-        rtol=8e-5,
-        start=initial,
-    )
+    got = _weights(worker_results[0], "momentum")
+    ref.assert_all_close(got, expected, "VR-Momentum, 2 workers", rtol=8e-5, start=initial)
 
 
 def test_two_workers_with_accumulation_match_four_replicas(strategy, worker_results):
@@ -100,29 +95,15 @@ def test_two_workers_with_accumulation_match_four_replicas(strategy, worker_resu
     initial, single_process, _ = helpers.run_mirrored(
         strategy, lambda: tf_vrgd.VRAdam(**worker.VR_ADAM), stream
     )
-    ref.assert_all_close(
-        _weights(worker_results[0], "adam"),
-        single_process,
-        "VR-Adam, 2 workers x 2 micro-steps vs 4 replicas",
-        rtol=5e-5,
-        start=initial,
-    )
-
+    got = _weights(worker_results[0], "adam")
+    label = "VR-Adam, 2 workers x 2 micro-steps"
+    ref.assert_all_close(got, single_process, f"{label} vs 4 replicas", rtol=5e-5, start=initial)
     reference = ref.VRReference(
-        initial,
-        ref.adam(worker.VR_ADAM["learning_rate"]),
-        worker.VR_ADAM["gamma"],
-        beta_3=0.9,
+        initial, ref.adam(worker.VR_ADAM["learning_rate"]), worker.VR_ADAM["gamma"], beta_3=0.9
     )
     for samples in helpers.samples_per_update(stream, 1):
         expected = reference.update(samples)
-    ref.assert_all_close(
-        _weights(worker_results[0], "adam"),
-        expected,
-        "VR-Adam, 2 workers x 2 micro-steps",
-        rtol=5e-5,
-        start=initial,
-    )
+    ref.assert_all_close(got, expected, label, rtol=5e-5, start=initial)
 
 
 @pytest.mark.parametrize(
