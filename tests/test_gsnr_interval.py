@@ -176,3 +176,20 @@ def test_scale_slot_only_where_needed():
         optimizer.build(model.trainable_variables)
         names = [v.path for v in optimizer.variables]
         assert any("gsnr_scale" in n for n in names) == has_slot, kwargs
+
+
+def test_one_cadence_for_the_gsnr_and_the_noise_scale():
+    """Updates t = iterations + 1 = 1, N + 1, 2N + 1, ... measure; the count
+    of measuring updates includes the one in progress."""
+    from tf_vrgd._cadence import Cadence
+
+    iterations = tf.range(7, dtype=tf.int64)
+    assert Cadence(3).measures(iterations).numpy().tolist() == [1, 0, 0, 1, 0, 0, 1]
+    np.testing.assert_array_equal(
+        Cadence(3).measured_updates(iterations).numpy(), [1, 1, 1, 2, 2, 2, 3]
+    )
+    one = Cadence(1).choose(tf.constant(5, tf.int64), lambda: 1, lambda: 2)
+    two = Cadence(2).choose(
+        tf.constant(5, tf.int64), lambda: tf.constant(1), lambda: tf.constant(2)
+    )
+    assert one == 1 and int(two) == 2

@@ -6,8 +6,8 @@ updates.
   `gradient_accumulation_steps`, each replica's running sums of its
   micro-step samples and their squares (on-read slots, no communication),
   the rows a row-sparse variable's micro-steps touched, and their reset
-  after the update; `_on_cadence`, the one place that reads
-  `gsnr_interval`.
+  after the update; `_on_cadence`, the GSNR cadence (`tf_vrgd._cadence`,
+  shared with `NoiseScale`).
 - Functions on the gradients of one replica: the three groups of an
   update (large dense, row-sparse, small dense packed into one vector),
   the messages that go into the collective beside the sums (squares, or
@@ -20,6 +20,7 @@ import functools
 import tensorflow as tf
 
 from tf_vrgd import functional
+from tf_vrgd._cadence import Cadence
 from tf_vrgd._keras_adapters import is_update_step
 from tf_vrgd._keras_adapters import tf_variable as _tf_variable
 from tf_vrgd.statistics import variable_size
@@ -40,23 +41,15 @@ class ReplicaIntake:
     def _is_update_step(self):
         return is_update_step(self)
 
-    def _is_gsnr_update(self):
-        """Whether the update in progress (t = iterations + 1) measures the
-        GSNR: t = 1, N + 1, 2N + 1, ..."""
-        return tf.equal(self.iterations % self.gsnr_interval, 0)
-
     def _on_cadence(self, gsnr_update, between):
         """`gsnr_update()` at an update that measures the GSNR, `between()`
-        at one that does not: the one place `gsnr_interval` is read (a
-        Python choice when every update measures, else a `tf.cond`)."""
-        if self.gsnr_interval == 1:
-            return gsnr_update()
-        return tf.cond(self._is_gsnr_update(), gsnr_update, between)
+        at one that does not (`Cadence.choose` at `gsnr_interval`)."""
+        return Cadence(self.gsnr_interval).choose(self.iterations, gsnr_update, between)
 
     def _gsnr_update_count(self):
         """GSNR updates up to and including the update in progress (the
         GSNR momentum's bias correction counts them)."""
-        return tf.cast(self.iterations // self.gsnr_interval + 1, tf.float32)
+        return Cadence(self.gsnr_interval).measured_updates(self.iterations)
 
     # -- accumulation ---------------------------------------------------------
 

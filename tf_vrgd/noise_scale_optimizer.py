@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tf_vrgd import functional, validation
 from tf_vrgd._accumulation import ReplicaAccumulationMixin
+from tf_vrgd._cadence import Cadence
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd._keras_adapters import Untracked
 from tf_vrgd._wrapper import InnerOptimizerWrapper, find_inner
@@ -241,14 +242,9 @@ class NoiseScale(InnerOptimizerWrapper):
         norms.assign(tf.zeros_like(norms))
 
     def _if_measured(self, measure, otherwise):
-        """`measure()` at updates 1, N + 1, 2N + 1, ... (the step counter
-        before it), `otherwise()` at the others: a conditional only when
-        `interval` > 1, none in the graph of an update that always
-        measures."""
-        if self.interval == 1:
-            return measure()
-        measuring = tf.equal(tf.math.floormod(self.inner_optimizer.iterations, self.interval), 0)
-        return tf.cond(measuring, measure, otherwise)
+        """`measure()` at updates 1, N + 1, 2N + 1, ..., `otherwise()` at
+        the others (`Cadence.choose`, the VR hook's cadence too)."""
+        return Cadence(self.interval).choose(self.inner_optimizer.iterations, measure, otherwise)
 
     # -- diagnostics ----------------------------------------------------------
 
