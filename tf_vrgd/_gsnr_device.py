@@ -206,27 +206,37 @@ class DevicePrograms(RowSparsePrograms):
         def moments_of(sums, squares, samples, replicas):
             return [reduced_moments(*pair, samples, replicas) for pair in zip(sums, squares)]
 
-        def element_sums(sums, squares, samples, replicas):
-            return functional.gsnr_element_sums(
-                moments_of(sums, squares, samples, replicas), epsilon
-            )
-
         def masked_means(sums, squares, samples, replicas):
             return functional.masked_mean_gsnrs(
                 moments_of(sums, squares, samples, replicas), epsilon
             )
 
-        element_sums = TracedOnce(element_sums, self.jit_update)
-        masked_means = TracedOnce(masked_means, self.jit_update)
+        if self.jit_update:
 
-        def layer_means(sums, squares, samples, replicas):
-            return tf.stack(
-                functional.mean_gsnrs_of_element_sums(
-                    element_sums(sums, squares, samples, replicas=replicas),
-                    sizes,
-                    lambda: masked_means(sums, squares, samples, replicas=replicas),
+            def element_sums(sums, squares, samples, replicas):
+                return functional.gsnr_element_sums(
+                    moments_of(sums, squares, samples, replicas), epsilon
                 )
-            )
+
+            element_sums = TracedOnce(element_sums, jit_compile=True)
+            masked_program = TracedOnce(masked_means, jit_compile=True)
+
+            def layer_means(sums, squares, samples, replicas):
+                return tf.stack(
+                    functional.mean_gsnrs_of_element_sums(
+                        element_sums(sums, squares, samples, replicas=replicas),
+                        sizes,
+                        lambda: masked_program(sums, squares, samples, replicas=replicas),
+                    )
+                )
+
+            layer_means.shared = (element_sums, masked_program)
+        else:
+
+            def layer_means(sums, squares, samples, replicas):
+                return tf.stack(masked_means(sums, squares, samples, replicas))
+
+            layer_means.shared = ()
 
         def update(sums, squares, samples, learning_rate, step, replicas, means):
             hyper = self._shared_scalars(step)
@@ -236,14 +246,6 @@ class DevicePrograms(RowSparsePrograms):
             ):
                 update(gradient_mean, second_moment, layer_mean, learning_rate, hyper)
 
-        layer_means.shared = (element_sums, masked_means)
-        if not self.jit_update:
-
-            def layer_means(sums, squares, samples, replicas):
-                moments = moments_of(sums, squares, samples, replicas)
-                return tf.stack(functional.masked_mean_gsnrs(moments, epsilon))
-
-            layer_means.shared = ()
         return layer_means, update
 
     def _fused_scale_update(self, indices):
