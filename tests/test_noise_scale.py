@@ -81,21 +81,28 @@ def _planted_regression(samples, updates, batch, features, delta_norm, sigma, se
     return x.astype("float32"), y.astype("float32"), (w_star + delta).astype("float32")
 
 
-def _numpy_noise_scale(x, y, weights, batch, accumulation, replicas):
-    """B_simple over one epoch of `fit` on (x, y) at fixed `weights`, in
-    float64: per update, k = replicas x accumulation samples (each the
-    gradient of the mean squared error of batch / replicas examples);
-    tr(Sigma) = B_small times the unbiased variance of the samples summed
-    over elements and |G|^2 = |gbar|^2 - tr(Sigma) / B_big, each averaged
-    over the updates, then their ratio."""
-    x, y, w = (np.asarray(a, np.float64) for a in (x, y, weights))
-    small = batch // replicas
-    per_sample = 2.0 * (x @ w - y) * x  # [examples, features]
-    samples = per_sample.reshape(-1, replicas * accumulation, small, x.shape[1]).mean(axis=2)
-    big = small * replicas * accumulation
+def _numpy_noise_terms(per_example, small, k):
+    """(tr(Sigma), |G|^2) of one variable over one epoch of `fit`, in
+    float64, from its per-example gradients [examples, ...] in the order
+    `fit` takes them: per update, k samples, each the mean of `small`
+    examples (a replica's share of a micro-step); tr(Sigma) = B_small times
+    the unbiased variance of the samples summed over elements and |G|^2 =
+    |gbar|^2 - tr(Sigma) / B_big, each averaged over the updates."""
+    per_example = np.asarray(per_example, np.float64)
+    samples = per_example.reshape(-1, k, small, int(np.prod(per_example.shape[1:]))).mean(axis=2)
     traces = small * samples.var(axis=1, ddof=1).sum(axis=-1)
-    norms = np.sum(samples.mean(axis=1) ** 2, axis=-1) - traces / big
-    return traces.mean() / norms.mean()
+    norms = np.sum(samples.mean(axis=1) ** 2, axis=-1) - traces / (small * k)
+    return traces.mean(), norms.mean()
+
+
+def _numpy_noise_scale(x, y, weights, batch, accumulation, replicas):
+    """B_simple of the one-kernel regression at fixed `weights`
+    (`_numpy_noise_terms` of its mean-squared-error gradients)."""
+    x, y, w = (np.asarray(a, np.float64) for a in (x, y, weights))
+    trace, norm = _numpy_noise_terms(
+        2.0 * (x @ w - y) * x, batch // replicas, replicas * accumulation
+    )
+    return trace / norm
 
 
 @pytest.mark.parametrize(
@@ -200,17 +207,11 @@ def test_the_model_wide_noise_scale_pools_the_variables(strategy):
         callbacks=[tf_vrgd.GSNRMonitor(batch_size=batch, per_variable=True)],
         verbose=0,
     )
-    # Per variable, float64: the samples of each update, as in
-    # `_numpy_noise_scale`, then tr(Sigma) and |G|^2 averaged over updates.
     x64, y64 = x.astype(np.float64), y.astype(np.float64)
     residual = 2.0 * (x64 @ kernel.astype(np.float64) + bias[0] - y64)
-    small = batch // replicas
-    traces, norms = [], []
-    for per_example in (residual * x64, residual):
-        samples = per_example.reshape(updates, replicas, small, -1).mean(axis=2)
-        trace = small * samples.var(axis=1, ddof=1).sum(axis=-1)
-        traces.append(trace.mean())
-        norms.append((np.sum(samples.mean(axis=1) ** 2, axis=-1) - trace / batch).mean())
+    traces, norms = zip(
+        *(_numpy_noise_terms(g, batch // replicas, replicas) for g in (residual * x64, residual))
+    )
     ratios = np.array(traces) / np.array(norms)
     pooled = sum(traces) / sum(norms)
     assert abs(pooled / ratios.mean() - 1) > 0.5  # the two readings differ here

@@ -69,10 +69,12 @@ def test_each_face_updates_as_its_keras_3_twin(strategy, name):
         variables = [keras.Variable(w) for w in _initial()]
         twin = getattr(tf_vrgd, name)(**ARGUMENTS[name])
     helpers.apply_stream_mirrored(strategy, twin, variables, stream)
-    for g, e, w0 in zip(got, variables, _initial()):
-        ref.assert_close(
-            g, e.numpy(), f"{name} tf_keras face vs Keras 3 twin, 4 replicas", start=w0
-        )
+    ref.assert_all_close(
+        got,
+        [e.numpy() for e in variables],
+        f"{name} tf_keras face vs Keras 3 twin, 4 replicas",
+        start=_initial(),
+    )
     assert int(face.iterations.numpy()) == 4
 
 
@@ -82,8 +84,9 @@ def test_the_vr_adam_face_matches_the_numpy_reference(strategy):
     reference = ref.VRReference(_initial(), ref.adam(0.05), 0.1, 0.9)
     for update in helpers.samples_per_update(stream, 1):
         expected = reference.update(update)
-    for g, e, w0 in zip(got, expected, _initial()):
-        ref.assert_close(g, e, "VRAdam tf_keras face vs numpy reference", rtol=1e-4, start=w0)
+    ref.assert_all_close(
+        got, expected, "VRAdam tf_keras face vs numpy reference", rtol=1e-4, start=_initial()
+    )
 
 
 def test_a_schedule_is_read_at_the_update_count(strategy):
@@ -99,8 +102,9 @@ def test_a_schedule_is_read_at_the_update_count(strategy):
         before = [w.copy() for w in reference.weights]
         after = reference.update(update)
         expected = [e + rate * (a - b) for e, a, b in zip(expected, after, before)]
-    for g, e, w0 in zip(got, expected, _initial()):
-        ref.assert_close(g, e, "VRSGD face with a tf_keras schedule", rtol=1e-4, start=w0)
+    ref.assert_all_close(
+        got, expected, "VRSGD face with a tf_keras schedule", rtol=1e-4, start=_initial()
+    )
 
 
 def test_the_whole_state_goes_through_a_checkpoint(strategy, tmp_path):
@@ -186,10 +190,12 @@ def test_the_larc_face_updates_as_its_keras_3_twin(strategy):
         twin_variables = [keras.Variable(w) for w in _initial()]
         twin = tf_vrgd.LARC(tf_vrgd.VRSGD(0.5, momentum=0.9), trust_coefficient=0.05)
     helpers.apply_stream_mirrored(strategy, twin, twin_variables, stream)
-    for g, e, w0 in zip(variables, twin_variables, _initial()):
-        ref.assert_close(
-            g.numpy(), e.numpy(), "LARC(VRSGD) tf_keras face vs Keras 3 twin", start=w0
-        )
+    ref.assert_all_close(
+        [g.numpy() for g in variables],
+        [e.numpy() for e in twin_variables],
+        "LARC(VRSGD) tf_keras face vs Keras 3 twin",
+        start=_initial(),
+    )
     assert int(face.iterations.numpy()) == 4
 
 
@@ -233,8 +239,12 @@ def test_a_loss_scale_optimizer_around_a_face(strategy):
             optimizers.VRAdam(**ARGUMENTS["VRAdam"])
         )
     _apply_face(strategy, wrapped, variables, stream)
-    for g, e, w0 in zip(variables, expected, _initial()):
-        ref.assert_close(g.numpy(), e, "VRAdam face in a LossScaleOptimizer", start=w0)
+    ref.assert_all_close(
+        [g.numpy() for g in variables],
+        expected,
+        "VRAdam face in a LossScaleOptimizer",
+        start=_initial(),
+    )
     scale = float(wrapped.loss_scale.numpy())
     overflow = helpers.gradient_stream(SHAPES, steps=1, replicas=4, seed=9)
     overflow[0][2][0][1, 1] = np.inf
@@ -260,8 +270,12 @@ def test_a_face_with_accumulation_updates_as_its_twin(strategy, name):
         variables = [keras.Variable(w) for w in _initial()]
         twin = getattr(tf_vrgd, name)(**arguments)
     helpers.apply_stream_mirrored(strategy, twin, variables, stream)
-    for g, e, w0 in zip(got, variables, _initial()):
-        ref.assert_close(g, e.numpy(), f"{name} face vs twin, 4 replicas x 2 micro-steps", start=w0)
+    ref.assert_all_close(
+        got,
+        [e.numpy() for e in variables],
+        f"{name} face vs twin, 4 replicas x 2 micro-steps",
+        start=_initial(),
+    )
     assert int(face.iterations.numpy()) == 3
 
 
@@ -286,8 +300,13 @@ def test_larc_around_a_tf_keras_optimizer_matches_the_numpy_reference(strategy):
     expected = ref.run_larc_sgd(
         _initial(), means, 0.5, momentum=0.9, trust_coefficient=0.05, weight_decay=0.01
     )
-    for g, e, w0 in zip(variables, expected, _initial()):
-        ref.assert_close(g.numpy(), e, "LARC(tf_keras SGD) vs numpy reference", rtol=1e-5, start=w0)
+    ref.assert_all_close(
+        [g.numpy() for g in variables],
+        expected,
+        "LARC(tf_keras SGD) vs numpy reference",
+        rtol=1e-5,
+        start=_initial(),
+    )
     assert int(wrapped.iterations.numpy()) == 4
 
 
@@ -301,10 +320,12 @@ def test_larc_around_tf_keras_adam_updates_as_keras_3_larc_around_adam(strategy)
         twin_variables = [keras.Variable(w) for w in _initial()]
         twin = tf_vrgd.LARC(keras.optimizers.Adam(0.05), trust_coefficient=0.05, weight_decay=0.01)
     helpers.apply_stream_mirrored(strategy, twin, twin_variables, stream)
-    for g, e, w0 in zip(variables, twin_variables, _initial()):
-        ref.assert_close(
-            g.numpy(), e.numpy(), "LARC(tf_keras Adam) vs Keras 3 LARC(Adam)", start=w0
-        )
+    ref.assert_all_close(
+        [g.numpy() for g in variables],
+        [e.numpy() for e in twin_variables],
+        "LARC(tf_keras Adam) vs Keras 3 LARC(Adam)",
+        start=_initial(),
+    )
 
 
 def test_larc_around_a_tf_keras_optimizer_saves_and_restores(strategy, tmp_path):
@@ -356,8 +377,12 @@ def test_a_loss_scale_optimizer_around_larc_around_a_tf_keras_optimizer(strategy
         wrapped = tf_keras.mixed_precision.LossScaleOptimizer(_tf_keras_larc())
     _apply_face(strategy, alone, expected, stream)
     _apply_face(strategy, wrapped, variables, stream)
-    for g, e, w0 in zip(variables, expected, _initial()):
-        ref.assert_close(g.numpy(), e.numpy(), "LARC(SGD) in a LossScaleOptimizer", start=w0)
+    ref.assert_all_close(
+        [g.numpy() for g in variables],
+        [e.numpy() for e in expected],
+        "LARC(SGD) in a LossScaleOptimizer",
+        start=_initial(),
+    )
     overflow = helpers.gradient_stream(SHAPES, steps=1, replicas=4, seed=9)
     overflow[0][2][0][1, 1] = np.inf
     before = [v.numpy() for v in variables]
@@ -385,8 +410,13 @@ def test_larc_around_tf_keras_sgd_clips_the_reduced_gradient_before_larc(strateg
         clipped.append([g * min(1.0, 0.3 / np.linalg.norm(g)) for g in means])
     assert any(np.linalg.norm(g) > 0.3 for step in stream for g in step[0])
     expected = ref.run_larc_sgd(_initial(), clipped, 0.5, momentum=0.9, trust_coefficient=0.05)
-    for g, e, w0 in zip(variables, expected, _initial()):
-        ref.assert_close(g.numpy(), e, "LARC(tf_keras SGD, clipnorm) vs numpy", rtol=1e-5, start=w0)
+    ref.assert_all_close(
+        [g.numpy() for g in variables],
+        expected,
+        "LARC(tf_keras SGD, clipnorm) vs numpy",
+        rtol=1e-5,
+        start=_initial(),
+    )
 
 
 def test_larc_around_a_tf_keras_optimizer_takes_a_row_sparse_gradient_as_dense():
