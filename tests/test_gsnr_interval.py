@@ -66,7 +66,7 @@ def test_interval_with_accumulation_on_four_replicas(strategy, case):
     )
     # Squares are summed in GSNR updates only: after the last update (8, not
     # a GSNR update) every accumulator is back at zero.
-    for slot in optimizer._accumulated_squares:
+    for slot in optimizer._intake.squares:
         for value in strategy.experimental_local_results(slot.value):
             assert not np.any(value.numpy())
 

@@ -102,10 +102,10 @@ def test_noise_terms_match_numpy_on_four_replicas(strategy, accumulation, path, 
     (`tf_vrgd.noise_scale`), averaged over the updates, on both dense
     update paths (small variables packed into one vector, or each in the
     XLA program)."""
-    from tf_vrgd import _gsnr_intake, statistics
+    from tf_vrgd import _gsnr_layout, statistics
 
     if path == "fused":
-        monkeypatch.setattr(_gsnr_intake, "PACKED_MAX_ELEMENTS", -1)
+        monkeypatch.setattr(_gsnr_layout, "PACKED_MAX_ELEMENTS", -1)
     optimizer, shapes, updates = _vr_sgd_on_four_replicas(strategy, accumulation)
     big, small = statistics.noise_terms(optimizer.gsnr_statistic_sums())
     for i in range(len(shapes)):

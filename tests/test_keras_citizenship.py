@@ -174,7 +174,7 @@ def test_mid_accumulation_state_restores_under_another_replica_count(strategy, t
         model.save(tmp_path / "model.keras")
         restored = keras.models.load_model(tmp_path / "model.keras")
         restored_optimizer = restored.optimizer
-    assert float(restored_optimizer._accumulated_samples.numpy()) == 4.0
+    assert float(restored_optimizer._intake.samples.numpy()) == 4.0
     last = helpers.gradient_stream(shapes, 1, seed=38)
     helpers.apply_stream(restored_optimizer, restored.trainable_variables, last, compiled=True)
 

@@ -174,3 +174,64 @@ def test_the_application_and_the_scripts_use_the_public_api_only():
         if private:
             found[name] = private
     assert not found, f"private modules or names used: {found}"
+
+
+def test_the_hook_parts_read_no_private_name_another_module_defines():
+    """Each part of the VR hook (`tf_vrgd/_gsnr*.py`) reads on `self` only
+    the private names its own module defines, or Keras' optimizer does (the
+    hooks Keras lets a subclass override): what another part keeps is
+    reached through that part's public interface or an argument."""
+    import keras
+
+    trees = {}
+    for file in sorted(os.listdir(os.path.join(ROOT, PACKAGE))):
+        if file.endswith(".py"):
+            with open(os.path.join(ROOT, PACKAGE, file)) as f:
+                trees[file] = ast.parse(f.read(), file)
+    defined = {file: _names_defined(tree) for file, tree in trees.items()}
+    found = []
+    for file, tree in trees.items():
+        if not file.startswith("_gsnr"):
+            continue
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and isinstance(node.ctx, ast.Load)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                continue
+            name = node.attr
+            if name in defined[file] or hasattr(keras.optimizers.Optimizer, name):
+                continue
+            others = sorted(other for other, names in defined.items() if name in names)
+            if others:
+                found.append(f"{file}:{node.lineno} self.{name} (defined in {', '.join(others)})")
+    assert not found, found
+
+
+def _names_defined(tree):
+    """The names a module defines: its functions, classes and methods, class
+    attributes, and the attributes its code assigns on `self`."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            for statement in node.body:
+                targets = []
+                if isinstance(statement, ast.Assign):
+                    targets = statement.targets
+                elif isinstance(statement, ast.AnnAssign):
+                    targets = [statement.target]
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+            and isinstance(node.ctx, ast.Store)
+        ):
+            names.add(node.attr)
+    return names

@@ -85,8 +85,8 @@ def test_rows_with_accumulation_match_the_reference(strategy, name):
     assert int(optimizer.iterations.numpy()) == 3
     # The accumulators are empty again after the last update.
     vr = optimizer
-    assert not np.any(vr._accumulated_rows[0].numpy())
-    assert not np.any(vr._accumulated_gradients[0].numpy())
+    assert not np.any(vr._intake.rows[0].numpy())
+    assert not np.any(vr._intake.sums[0].numpy())
 
 
 @pytest.mark.parametrize("name", ["VR-SGD", "VR-Adam"])

@@ -183,23 +183,19 @@ def test_accumulators_hold_each_replicas_own_sums(strategy):
         runs.append((optimizer, model, stream))
     for optimizer, _, stream in runs:
         for i in range(len(shapes)):
-            sums = strategy.experimental_local_results(optimizer._accumulated_gradients[i].value)
-            squares = strategy.experimental_local_results(optimizer._accumulated_squares[i].value)
+            sums = strategy.experimental_local_results(optimizer._intake.sums[i].value)
+            squares = strategy.experimental_local_results(optimizer._intake.squares[i].value)
             for r in range(4):
                 g = stream[0][r][i].astype(np.float64)  # the sample, 1/R scaling undone
                 np.testing.assert_allclose(sums[r].numpy(), g, rtol=1e-6)
                 np.testing.assert_allclose(squares[r].numpy(), g * g, rtol=1e-5)
-        counts = strategy.experimental_local_results(optimizer._accumulated_samples.value)
+        counts = strategy.experimental_local_results(optimizer._intake.samples.value)
         assert [float(c.numpy()) for c in counts] == [1.0] * 4
     # The update's micro-step leaves every replica's sums at zero.
     optimizer, model, stream = runs[0]
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream[1:])
     assert int(optimizer.iterations.numpy()) == 1
-    for slot in (
-        optimizer._accumulated_gradients
-        + optimizer._accumulated_squares
-        + [optimizer._accumulated_samples]
-    ):
+    for slot in optimizer._intake.sums + optimizer._intake.squares + [optimizer._intake.samples]:
         for value in strategy.experimental_local_results(slot.value):
             assert not np.any(value.numpy())
 
@@ -208,7 +204,7 @@ def _update_traces(optimizer):
     """Traces of the optimizer's compiled update programs."""
     return sum(
         f.compiled.experimental_get_tracing_count()
-        for f in optimizer._variable_updates.values()
+        for f in optimizer._device.programs.values()
         if f.compiled is not None
     )
 
@@ -237,7 +233,7 @@ def test_layer_mean_programs_are_traced_once_for_every_device(strategy):
         model = helpers.make_model()
         optimizer = tf_vrgd.VRAdam()
     helpers.apply_stream_mirrored(strategy, optimizer, model.trainable_variables, stream)
-    shared = [p for f in optimizer._variable_updates.values() for p in f.shared]
+    shared = [p for f in optimizer._device.programs.values() for p in f.shared]
     assert len(shared) == 2
     assert [p.tracing_count() for p in shared] == [1, 1]
     assert _update_traces(optimizer) == 1

@@ -10,10 +10,10 @@ import pytest
 
 from tests import references as ref
 import tf_vrgd
-from tf_vrgd import _gsnr_intake
+from tf_vrgd import _gsnr_layout
 
 SCALES = [1e-2, 1.0, 5e-2, 0.3]
-# Size limits of the packed update path (tf_vrgd._gsnr_intake.PACKED_MAX_ELEMENTS)
+# Size limits of the packed update path (tf_vrgd._gsnr_layout.PACKED_MAX_ELEMENTS)
 # on the test model's variables of 48, 6, 18 and 3 elements.
 PACKING = {"packed": 2**14, "mixed": 10, "fused": -1}
 
@@ -28,7 +28,7 @@ def update_path(request, monkeypatch):
         if hasattr(request.node, "callspec")
         else "mixed"
     )
-    monkeypatch.setattr(_gsnr_intake, "PACKED_MAX_ELEMENTS", PACKING[path])
+    monkeypatch.setattr(_gsnr_layout, "PACKED_MAX_ELEMENTS", PACKING[path])
     return path
 
 

@@ -1,51 +1,16 @@
-"""The cross-replica moment hook shared by every VR optimizer.
+"""The Keras face of the VR hook shared by every VR optimizer: the
+arguments, `build` (wiring the hook's parts), the apply path and the
+diagnostics. docs/hook.md follows one gradient through the parts:
+`ReplicaIntake` (`_gsnr_intake`) on each replica, `MessageLayout`
+(`_gsnr_layout`) for the one collective, `DevicePrograms` (`_gsnr_device`)
+on each device, the rule's composition and write-back (`_gsnr_slots`),
+then the base optimizer's `update_step`.
 
-This is the one place where per-replica gradients (and accumulated
-micro-steps) become ``(sum of samples, sum of squared samples)``, are
-all-reduced together, and are turned into the GSNR-scaled gradient that the
-base rule applies (docs/algorithms.md §1-3, §6). It replaces Keras' TensorFlow
-update path, `_backend_apply_gradients`, which is private: the Keras range
-this is written for is pinned in `setup.cfg`, and
-`tests/test_vr_keras.py::test_keras_private_update_path_is_unchanged` fails,
-naming the method, if an upgrade changes it.
-
-Flow of one `apply` call (per replica, in replica context):
-
-1. Keras' clipping, then the local moments: ``g`` and ``g^2``. With
-   `gradient_accumulation_steps = A`, each replica adds both to its own
-   on-read accumulators in place, in one XLA call for all variables, with
-   no communication; the sums go on to step 2 and the accumulators are zeroed
-   after the update's micro-step.
-2. One `merge_call` into cross-replica context, where a `tf.cond` (not in
-   replica context: Keras' own accumulation puts `merge_call` inside a cond
-   and fails under `MirroredStrategy`) runs, once per update:
-3. one `batch_reduce_to` SUM carries both sums for every variable (the
-   small dense variables' as one flat vector, concatenated per replica
-   before the `merge_call`; the rows of row-sparse gradients gathered, not
-   summed into a table), and
-4. once per device, inside `extended.update_non_slot`, one XLA program for
-   the large dense variables, one flat pass for the small ones, and the
-   row-sparse update for embedding tables compute ``gbar, s`` -> GSNR ->
-   (GSNR momentum) -> ``ghat`` and hand ``ghat`` to the optimizer's
-   `update_step`, the base rule. That program is traced once and run on
-   every device with its variables rebound to the device's copies.
-
-With `gsnr_interval = N > 1` only every N-th update (the first, N + 1,
-...) squares, reduces the squares and measures the GSNR; the others
-reduce the gradient sums alone and apply the last scale (its
-`gsnr_scale` slot, or the GSNR momentum).
-
-Gradients that arrive as `tf.IndexedSlices` (embedding lookups) stay
-row-sparse throughout: their duplicate rows are summed per replica, their
-squares, sums, collective and slots cost the rows a batch touched
-(docs/algorithms.md §6).
-
-The hook is three modules, one per phase: this one, the Keras face
-(arguments, config, `build`, the apply path of step 1-2, diagnostics);
-`_gsnr_intake` (`ReplicaIntake`: accumulation, the rows a replica
-gathers, the GSNR cadence); `_gsnr_device` (`DevicePrograms`: steps 3-4).
-The rule itself is in `tf_vrgd.functional` (`gsnr_scale` at a GSNR update,
-`scale_between_gsnr_updates` between).
+It replaces Keras' TensorFlow update path, `_backend_apply_gradients`,
+which is private: the Keras range this is written for is pinned in
+`setup.cfg`, and
+`tests/test_vr_keras.py::test_keras_private_update_path_is_unchanged`
+fails, naming the method, if an upgrade changes it.
 """
 
 import functools
@@ -56,21 +21,17 @@ import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import functional, statistics, validation
+from tf_vrgd._cadence import Cadence
 from tf_vrgd._gsnr_device import DevicePrograms
-from tf_vrgd._gsnr_intake import (
-    ReplicaIntake,
-    at_least_one_row,
-    empty_like,
-    float32_rows_or_dense,
-    grouped,
-    square_messages,
-    update_groups,
-)
-from tf_vrgd._gsnr_rows import bundled_rows, row_bundles
+from tf_vrgd._gsnr_intake import ReplicaIntake, at_least_one_row, float32_rows_or_dense
+from tf_vrgd._gsnr_layout import MessageLayout
+from tf_vrgd._gsnr_slots import GSNRRule
 from tf_vrgd._keras_adapters import (
-    Untracked,
     apply_moving_average,
     build_without_keras_accumulators,
+    decay,
+    is_update_step,
+    tf_variable,
 )
 from tf_vrgd._wrapper import find_inner
 from tf_vrgd.statistics import variable_path
@@ -109,7 +70,7 @@ def fill_vr_arguments(docstring, beta_3):
     return docstring.replace("{vr_args}", _VR_ARGUMENTS.format(beta_3=beta_3))
 
 
-class GSNRMixin(ReplicaIntake, DevicePrograms):
+class GSNRMixin:
     """Turns a Keras optimizer into its VR twin: list it before the base
     optimizer class. It takes the arguments every VR optimizer shares
     (keyword only, documented once in `_VR_ARGUMENTS` and filled into the
@@ -197,64 +158,35 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
         if self.built:
             return
         build_without_keras_accumulators(self, super().build, var_list)
-        float32_slots = functools.partial(self._float32_slots, var_list)
-        self._gsnr_momentums = (
-            float32_slots("gsnr_momentum") if self.beta_3 > 0 else [None] * len(var_list)
+        cadence = Cadence(self.gsnr_interval)
+        make_slots = functools.partial(self._float32_slots, var_list)
+        self._device = DevicePrograms(
+            make_slots,
+            var_list,
+            GSNRRule(self.gamma, self.gsnr_epsilon, self.beta_3),
+            cadence,
+            self._base_rule,
+            self._program_variables,
+            jit=self.jit_update,
+            keep_scale=self.gsnr_interval > 1 and self.beta_3 == 0,
+            track_statistics=self.track_gsnr_statistics,
         )
-        # The scale of the last GSNR update, applied until the next one;
-        # with a GSNR momentum, the momentum serves. 1 (the base rule) where
-        # nothing has been measured yet: a row first looked up between two
-        # GSNR updates.
-        self._gsnr_scales = (
-            float32_slots("gsnr_scale", initializer="ones")
-            if self.gsnr_interval > 1 and self.beta_3 == 0
-            else [None] * len(var_list)
+        self._intake = ReplicaIntake(
+            make_slots, cadence, self.gradient_accumulation_steps, self.jit_update, self._scalar
         )
-        # Per row of each variable, the GSNR updates in which the row had a
-        # sample: the bias correction of the GSNR momentum of the variables
-        # whose gradients arrive row-sparse (docs/algorithms.md §3). Read
-        # only for those; which ones they are shows only at the first
-        # update, so every variable with rows has one (a vector, 1/columns
-        # of the variable).
-        self._gsnr_row_updates = (
-            float32_slots("gsnr_row_updates", shape=_rows)
-            if self.beta_3 > 0
-            else [None] * len(var_list)
-        )
-        if self.gradient_accumulation_steps:
-            # Each replica accumulates its own micro-steps: the samples g_d
-            # (Keras' 1/R loss scaling undone), their squares, and their
-            # count. On-read SUM variables keep one value per replica, and
-            # checkpoints and `model.save` store their cross-replica sum
-            # (restored as sum / R per replica): totals in units that do not
-            # depend on R, so a restore under another replica count resumes
-            # into the mean over the samples actually taken.
-            on_read = dict(synchronization="on_read", aggregation="sum")
-            self._accumulated_gradients = float32_slots("gradient_accumulator", **on_read)
-            self._accumulated_squares = float32_slots("squared_gradient_accumulator", **on_read)
-            # Rows with a sample in the micro-steps so far (> 0), for the
-            # variables whose gradients arrive row-sparse.
-            self._accumulated_rows = float32_slots("accumulated_rows", shape=_rows, **on_read)
-            with keras.name_scope(self.name, caller=self):
-                self._accumulated_samples = keras.Variable(
-                    initializer="zeros",
-                    shape=(),
-                    dtype="float32",
-                    trainable=False,
-                    name="gsnr_sample_count",
-                    **on_read,
-                )  # tracked on assignment
-        else:
-            self._accumulated_squares = None
-            self._accumulated_rows = None
-        # Diagnostics, not state: kept out of `variables` and checkpoints.
-        self._gsnr_monitor = Untracked(
-            float32_slots("gsnr_statistics", shape=(statistics.ROW_WIDTH,), track=False)
-            if self.track_gsnr_statistics
-            else [None] * len(var_list)
-        )
-        self._variable_updates = {}
-        self._moment_accumulations = {}
+
+    def _scalar(self, name, **kwargs):
+        """A float32 scalar of the optimizer's state (the sample count),
+        the last of its `variables`, and saved by `tf.train.Checkpoint`
+        under ``_accumulated_samples`` too, its key since it was first
+        saved."""
+        with keras.name_scope(self.name, caller=self):
+            variable = keras.Variable(
+                initializer="zeros", shape=(), dtype="float32", trainable=False, name=name, **kwargs
+            )
+        self._track_variable(variable)
+        self._track_trackable(variable, name="_accumulated_samples")
+        return variable
 
     def _float32_slots(self, var_list, name, shape=None, track=True, initializer="zeros", **kwargs):
         """One float32 variable per variable of `var_list` (GSNR statistics
@@ -283,6 +215,33 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
             slots.append(slot)
         return slots
 
+    def _base_rule(self, index):
+        """The base optimizer's rule for variable `index`, as the device
+        programs call it: ``apply(scaled_gradient, learning_rate)``, Keras'
+        decoupled weight decay (as Keras applies it) then `update_step`
+        (a `tf.IndexedSlices` made dense first for base rules that are
+        dense by nature: `_row_sparse_base_rule`)."""
+        keras_variable = self._trainable_variables[index]
+        variable = tf_variable(keras_variable)
+        decays = bool(self.weight_decay) and self._use_weight_decay(keras_variable)
+        densify = not self._row_sparse_base_rule
+
+        def apply(scaled_gradient, learning_rate):
+            if densify and isinstance(scaled_gradient, tf.IndexedSlices):
+                scaled_gradient = tf.convert_to_tensor(scaled_gradient)
+            if decays:
+                decay(variable, self.weight_decay, learning_rate)
+            self.update_step(tf.cast(scaled_gradient, variable.dtype), variable, learning_rate)
+
+        return apply
+
+    def _program_variables(self):
+        """The tf.Variables a device program may touch: the model's
+        trainable ones, the optimizer's (slots, counters) and the GSNR
+        statistics."""
+        statistics = [slot for slot in self._device.statistics if slot is not None]
+        return [tf_variable(v) for v in [*self._trainable_variables, *self.variables, *statistics]]
+
     # -- replica context ------------------------------------------------------
 
     def _backend_apply_gradients(self, grads, trainable_variables):
@@ -307,45 +266,36 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
             functional.sum_duplicate_rows(at_least_one_row(g)) if j in sparse else g
             for j, g in enumerate(grads)
         ]
-        groups = update_groups(trainable_variables, sparse)
-        rows = None
-        if self.gradient_accumulation_steps:
-            is_update_step = self._is_update_step()
-            sums, squares, samples, rows = self._accumulate(grads, indices, sparse, is_update_step)
-            sums, squares = grouped(sums, groups), grouped(squares, groups)
-        else:
-            sums, samples = grouped(grads, groups), None
-            # Squared only for a GSNR update (an empty stand-in otherwise).
-            squares = self._on_cadence(
-                lambda: square_messages(sums),
-                lambda: [empty_like(g, doubled=True) for g in sums],
-            )
-            for square, gradient in zip(squares, sums):
-                # Read in the GSNR branch of `_cross_replica_update` only.
-                if not isinstance(gradient, tf.IndexedSlices):
-                    square.set_shape(gradient.shape)
-        if sparse:
-            # One message per bundle of tables with rows of one shape.
-            bundles = row_bundles([trainable_variables[j].shape for j in sparse])
-            part = slice(len(groups[0]), len(groups[0]) + len(sparse))
-            sums, squares = list(sums), list(squares)
-            sums[part] = bundled_rows(sums[part], bundles)
-            squares[part] = bundled_rows(squares[part], bundles)
-        replica_context.merge_call(
-            self._cross_replica_update,
-            args=(sums, squares, samples, list(trainable_variables), indices, groups),
+        layout = MessageLayout(trainable_variables, indices, sparse)
+        update_step = is_update_step(self) if self.gradient_accumulation_steps else None
+        sums, squares, samples, after = self._intake.messages(
+            grads, layout, self.iterations, update_step
         )
-        if self.gradient_accumulation_steps:
-            # After the update has read the sums (reads are ordered before
-            # later writes to the same variable).
-            tf.cond(
-                is_update_step,
-                functools.partial(self._reset_accumulators, indices, sparse, rows),
-                lambda: None,
-            )
+        # The layout is Python data alike on every replica, bound, not
+        # passed: merge_call would gather one from each replica.
+        replica_context.merge_call(
+            functools.partial(self._cross_replica_update, layout=layout),
+            args=(sums, squares, samples),
+        )
+        # After the update has read the sums (reads are ordered before
+        # later writes to the same variable).
+        after()
         # Keras' EMA order and cadence (once per `apply`, micro-steps
         # included), so that the averages match the base optimizer's.
         apply_moving_average(self, replica_context)
+
+    def _cross_replica_update(self, distribution, sums, squares, samples, layout):
+        def update():
+            learning_rate = tf.convert_to_tensor(self.learning_rate)
+            self._device.update(
+                distribution, layout, sums, squares, samples, learning_rate, self.iterations
+            )
+
+        if not self.gradient_accumulation_steps:
+            update()
+        else:
+            # In cross-replica context, so that no merge_call sits in a cond.
+            tf.cond(is_update_step(self), update, lambda: None)
 
     def check_sample_count(self, replicas: int) -> None:
         """Raises ValueError, saying how to fix it, unless `replicas` x
@@ -378,7 +328,7 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
         self._check_tracking("gsnr_statistic_sums")
         if not self.built:
             return None
-        return tf.stack([v.value for v in self._gsnr_monitor.value]).numpy()
+        return tf.stack([v.value for v in self._device.statistics]).numpy()
 
     def gsnr_statistics(self) -> dict[str, dict[str, float]]:
         """Per-variable GSNR statistics averaged over the updates since the
@@ -413,7 +363,7 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
         """Restarts the running sums behind `gsnr_statistics` (no host sync)."""
         self._check_tracking("reset_gsnr_statistics")
         if self.built:
-            for v in self._gsnr_monitor.value:
+            for v in self._device.statistics:
                 v.assign(tf.zeros_like(v))
 
     def _check_tracking(self, method):
@@ -427,8 +377,3 @@ class GSNRMixin(ReplicaIntake, DevicePrograms):
 def find_vr_optimizer(optimizer: keras.optimizers.Optimizer | None) -> GSNRMixin | None:
     """The VR optimizer inside wrappers (LossScaleOptimizer, LARC), or None."""
     return find_inner(optimizer, GSNRMixin)
-
-
-def _rows(variable):
-    """The shape of a per-row slot of `variable`, None for a scalar."""
-    return (variable.shape[0],) if len(variable.shape) else None

@@ -1,18 +1,12 @@
-"""The replica side of the VR hook (`tf_vrgd._gsnr`): what each replica
-does with its gradients before the one collective, and the cadence of GSNR
-updates.
+"""`ReplicaIntake`: what each replica does with its gradients before the
+one collective (docs/hook.md), and the state it keeps for that.
 
-- `ReplicaIntake`, mixed into `GSNRMixin`: with
-  `gradient_accumulation_steps`, each replica's running sums of its
-  micro-step samples and their squares (on-read slots, no communication),
-  the rows a row-sparse variable's micro-steps touched, and their reset
-  after the update; `_on_cadence`, the GSNR cadence (`tf_vrgd._cadence`,
-  shared with `NoiseScale`).
-- Functions on the gradients of one replica: the three groups of an
-  update (large dense, row-sparse, small dense packed into one vector),
-  the messages that go into the collective beside the sums (squares, or
-  rows' sums and squares side by side), and the stand-ins of the branches
-  that do not measure.
+Without accumulation a replica's messages are its gradients and, at a
+GSNR update, their squares. With `gradient_accumulation_steps`, each
+replica adds each micro-step's samples and their squares to running sums
+of its own (on-read slots, no communication), marks the rows row-sparse
+micro-steps touch, and at the update hands on the sums (the marked rows
+of a table) and the sample count; the sums are zeroed after the update.
 """
 
 import functools
@@ -20,102 +14,142 @@ import functools
 import tensorflow as tf
 
 from tf_vrgd import functional
-from tf_vrgd._cadence import Cadence
-from tf_vrgd._keras_adapters import is_update_step
-from tf_vrgd._keras_adapters import tf_variable as _tf_variable
-from tf_vrgd.statistics import variable_size
-
-# Variables of at most this many elements (64 KiB in float32) are updated
-# together by the packed update (`DevicePrograms._packed_update`) instead
-# of one by one in the XLA program; docs/algorithms.md §6 gives the
-# measurements behind it.
-PACKED_MAX_ELEMENTS = 2**14
+from tf_vrgd._keras_adapters import tf_variable
 
 
 class ReplicaIntake:
-    """Replica-side accumulation and the GSNR cadence of `GSNRMixin` (the
-    slots are made by its `build`)."""
+    """The replica side of the VR hook for the variables `variables`.
 
-    # -- cadence ------------------------------------------------------------
+    `make_slots(name, **options)` makes one float32 slot per variable (the
+    face's, so that names, tracking and checkpoints are the optimizer's);
+    `cadence` is the GSNR cadence (`tf_vrgd._cadence.Cadence`);
+    `accumulation_steps` the micro-steps of an update (None: no
+    accumulation); `jit` compiles the micro-step sums with XLA.
+    """
 
-    def _is_update_step(self):
-        return is_update_step(self)
+    def __init__(self, make_slots, cadence, accumulation_steps, jit, make_scalar):
+        self.cadence = cadence
+        self.accumulates = bool(accumulation_steps)
+        self._jit = jit
+        self._programs = {}
+        if not self.accumulates:
+            return
+        # On-read SUM slots keep one value per replica; checkpoints and
+        # `model.save` store their cross-replica sum (restored as sum / R
+        # per replica): totals in units that do not depend on R, so a
+        # restore under another replica count resumes into the mean over
+        # the samples actually taken.
+        on_read = dict(synchronization="on_read", aggregation="sum")
+        self.sums = make_slots("gradient_accumulator", **on_read)
+        self.squares = make_slots("squared_gradient_accumulator", **on_read)
+        # Rows with a sample in the micro-steps so far (> 0), for the
+        # variables whose gradients arrive row-sparse.
+        self.rows = make_slots("accumulated_rows", shape=_rows, **on_read)
+        self.samples = make_scalar("gsnr_sample_count", **on_read)
 
-    def _on_cadence(self, gsnr_update, between):
-        """`gsnr_update()` at an update that measures the GSNR, `between()`
-        at one that does not (`Cadence.choose` at `gsnr_interval`)."""
-        return Cadence(self.gsnr_interval).choose(self.iterations, gsnr_update, between)
+    def messages(self, grads, layout, iterations, is_update_step):
+        """This replica's messages (`layout.pack`ed sums and squares, and
+        the sample count) for the update in progress, and a function to
+        call once the collective has read them (the accumulators' reset).
 
-    def _gsnr_update_count(self):
-        """GSNR updates up to and including the update in progress (the
-        GSNR momentum's bias correction counts them)."""
-        return Cadence(self.gsnr_interval).measured_updates(self.iterations)
-
-    # -- accumulation ---------------------------------------------------------
-
-    def _accumulate(self, grads, indices, sparse, is_update_step):
-        """Adds this micro-step's gradients and their squares to the
-        replica's running sums, in place, and returns the new sums (and,
-        for row-sparse gradients, the rows they hold).
-
-        One pass over memory (reads g and both sums, writes both sums: 20
-        B/param in fp32) in one XLA call for all dense variables, unless
-        `jit_update` is False. Row-sparse gradients add their rows (at the
-        cost of the rows) and mark them; at the update, each replica
-        gathers the rows it marked.
-        """
+        Squares are read at a GSNR update only (empty stand-ins between);
+        a row-sparse variable's are its rows' sums and squares side by side
+        (`side_by_side`)."""
+        if not self.accumulates:
+            sums = layout.pack(grads)
+            squares = self.cadence.choose(
+                iterations,
+                lambda: square_messages(sums),
+                lambda: [empty_like(g, doubled=True) for g in sums],
+            )
+            for square, gradient in zip(squares, sums):
+                if not isinstance(gradient, tf.IndexedSlices):
+                    square.set_shape(gradient.shape)
+            return sums, squares, None, lambda: None
+        indices, sparse = layout.indices, layout.sparse
         dense = tuple(indices[j] for j in range(len(grads)) if j not in sparse)
         dense_grads = [g for j, g in enumerate(grads) if j not in sparse]
-        accumulate = self._moment_accumulation(dense, squares=True)
-        add_rows = functools.partial(self._accumulate_rows, [indices[j] for j in sparse])
         sparse_grads = [grads[j] for j in sparse]
 
         def add(measure):
-            if measure:
-                accumulate(dense_grads)
-            else:
-                self._moment_accumulation(dense, squares=False)(dense_grads)
-            add_rows(sparse_grads, measure)
+            self._accumulation(dense, squares=measure)(dense_grads)
+            self._add_rows([indices[j] for j in sparse], sparse_grads, measure)
 
         # No square is taken for an update that does not measure the GSNR.
-        self._on_cadence(lambda: add(True), lambda: add(False))
-        sums, squares, rows = [], [], []
+        self.cadence.choose(iterations, lambda: add(True), lambda: add(False))
+        sums, squares, marked = [], [], []
         for j, i in enumerate(indices):
             if j in sparse:
-                gathered = self._gathered_rows(i, grads[j], is_update_step)
-                rows.append(gathered[0])
-                sums.append(gathered[1])
-                squares.append(gathered[2])
+                rows, row_sums, moments = self._gathered_rows(
+                    i, grads[j], iterations, is_update_step
+                )
+                marked.append(rows)
+                sums.append(row_sums)
+                squares.append(moments)
             else:
-                sums.append(self._accumulated_gradients[i].value.read_value())
-                squares.append(self._accumulated_squares[i].value.read_value())
-        return sums, squares, self._accumulated_samples.value.read_value(), rows
+                sums.append(self.sums[i].value.read_value())
+                squares.append(self.squares[i].value.read_value())
+        samples = self.samples.value.read_value()
+        reset = functools.partial(self._reset, indices, sparse, marked, iterations)
+        return (
+            layout.pack(sums),
+            layout.pack(squares),
+            samples,
+            lambda: tf.cond(is_update_step, reset, lambda: None),
+        )
 
-    def _accumulate_rows(self, indices, grads, squares):
-        """Adds row-sparse micro-step gradients (`g_d = R * g`) and, if
-        `squares`, their squares to the replica's sums at their rows, and
-        marks the rows."""
+    def _accumulation(self, indices, squares):
+        """``sums += g_d; squares += g_d^2; samples += 1`` for the variables
+        at `indices` (without the squares unless `squares`), with ``g_d = R
+        * g`` (Keras scales a replica's loss by 1/R), made once per set of
+        variables. The slots are captured, not passed: a captured on-read
+        slot is this replica's copy, and a trace is made per replica
+        device. (Passed as arguments, distributed slots are bound at trace
+        time too, so a function shared by several optimizers writes to the
+        slots it was first traced with.)"""
+        if (indices, squares) in self._programs:
+            return self._programs[(indices, squares)]
+        sum_slots = [self.sums[i] for i in indices]
+        square_slots = [self.squares[i] for i in indices]
+        samples = self.samples
+
+        def accumulate(grads):
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            for gradient, sum_slot, square_slot in zip(grads, sum_slots, square_slots):
+                sample = gradient * float(replicas) if replicas > 1 else gradient
+                # On the tf.Variables: Keras' `assign_add` fails on (0, n) ones.
+                tf_variable(sum_slot).assign_add(sample)
+                if squares:
+                    tf_variable(square_slot).assign_add(tf.square(sample))
+            samples.assign_add(1.0)
+
+        if self._jit:
+            accumulate = tf.function(accumulate, jit_compile=True)
+        self._programs[(indices, squares)] = accumulate
+        return accumulate
+
+    def _add_rows(self, indices, grads, squares):
+        """Adds row-sparse micro-step samples (`g_d = R * g`) and, if
+        `squares`, their squares at their rows, and marks the rows."""
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         for i, gradient in zip(indices, grads):
             sample = gradient.values * float(replicas) if replicas > 1 else gradient.values
             rows = gradient.indices
-            replica_copy(self._accumulated_gradients[i]).scatter_add(tf.IndexedSlices(sample, rows))
+            replica_copy(self.sums[i]).scatter_add(tf.IndexedSlices(sample, rows))
             if squares:
-                replica_copy(self._accumulated_squares[i]).scatter_add(
-                    tf.IndexedSlices(tf.square(sample), rows)
-                )
-            replica_copy(self._accumulated_rows[i]).scatter_update(
+                replica_copy(self.squares[i]).scatter_add(tf.IndexedSlices(tf.square(sample), rows))
+            replica_copy(self.rows[i]).scatter_update(
                 tf.IndexedSlices(tf.ones_like(rows, tf.float32), rows)
             )
 
-    def _gathered_rows(self, index, gradient, is_update_step):
-        """At an update step, this replica's marked rows of variable
-        `index` and its sums there: ``(rows, sums, sums and squares side
-        by side)`` (`square_messages`' layout; an empty stand-in for the last
-        between GSNR updates); empty otherwise."""
-        marks = replica_copy(self._accumulated_rows[index])
-        sum_slot = replica_copy(self._accumulated_gradients[index])
-        square_slot = replica_copy(self._accumulated_squares[index])
+    def _gathered_rows(self, index, gradient, iterations, is_update_step):
+        """At an update step, this replica's marked rows of variable `index`
+        and its sums there: ``(rows, sums, moments)``, moments as
+        `side_by_side` at a GSNR update (an empty stand-in between); empty
+        otherwise."""
+        marks = replica_copy(self.rows[index])
+        sum_slot = replica_copy(self.sums[index])
+        square_slot = replica_copy(self.squares[index])
         shape = gradient.dense_shape
 
         def gather(measure):
@@ -133,65 +167,31 @@ class ReplicaIntake:
             return empty.indices, empty, empty_like(gradient, doubled=True)
 
         def at_update():
-            return self._on_cadence(lambda: gather(True), lambda: gather(False))
+            return self.cadence.choose(iterations, lambda: gather(True), lambda: gather(False))
 
         return tf.cond(is_update_step, at_update, none)
 
-    def _moment_accumulation(self, indices, squares):
-        """``sum += g_d; squares += g_d^2; samples += 1`` for the variables
-        at `indices` (without the squares unless `squares`), with ``g_d = R *
-        g`` (Keras scales a replica's loss by 1/R), made once per set of
-        variables like `DevicePrograms._device_update`.
-
-        The slots are captured, not passed: a captured on-read slot is this
-        replica's copy, and a trace is made per replica device. (Passed as
-        arguments, distributed slots are bound at trace time too, so a
-        function shared by several optimizers writes to the slots it was
-        first traced with.)
-        """
-        if (indices, squares) in self._moment_accumulations:
-            return self._moment_accumulations[(indices, squares)]
-        sum_slots = [self._accumulated_gradients[i] for i in indices]
-        square_slots = [self._accumulated_squares[i] for i in indices]
-        samples = self._accumulated_samples
-
-        def accumulate(grads):
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            for gradient, sum_slot, square_slot in zip(grads, sum_slots, square_slots):
-                sample = gradient * float(replicas) if replicas > 1 else gradient
-                # On the tf.Variables (see `ReplicaAccumulationMixin`: Keras'
-                # `assign_add` fails on (0, n) variables).
-                _tf_variable(sum_slot).assign_add(sample)
-                if squares:
-                    _tf_variable(square_slot).assign_add(tf.square(sample))
-            samples.assign_add(1.0)
-
-        if self.jit_update:
-            accumulate = tf.function(accumulate, jit_compile=True)
-        self._moment_accumulations[(indices, squares)] = accumulate
-        return accumulate
-
-    def _reset_accumulators(self, indices, sparse, rows):
+    def _reset(self, indices, sparse, marked, iterations):
         def reset(slots):
             for slot in slots:
                 slot.assign(tf.zeros(slot.shape, slot.dtype))
 
         dense = [i for j, i in enumerate(indices) if j not in sparse]
-        reset(self._accumulated_gradients[i] for i in dense)
-        squares = [self._accumulated_squares[i] for i in dense]
+        reset(self.sums[i] for i in dense)
+        squares = [self.squares[i] for i in dense]
         # The squares hold sums at GSNR updates only.
-        self._on_cadence(lambda: reset(squares), lambda: None)
+        self.cadence.choose(iterations, lambda: reset(squares), lambda: None)
         # Row-sparse sums: zeros at the rows they hold, at the cost of the rows.
-        for j, marked in zip(sparse, rows):
+        for j, rows in zip(sparse, marked):
             i = indices[j]
-            for slots in (self._accumulated_gradients, self._accumulated_squares):
+            for slots in (self.sums, self.squares):
                 slot = replica_copy(slots[i])
-                zeros = tf.zeros(tf.concat([tf.shape(marked), slot.shape[1:]], 0), slot.dtype)
-                slot.scatter_update(tf.IndexedSlices(zeros, marked))
-            replica_copy(self._accumulated_rows[i]).scatter_update(
-                tf.IndexedSlices(tf.zeros_like(marked, tf.float32), marked)
+                zeros = tf.zeros(tf.concat([tf.shape(rows), slot.shape[1:]], 0), slot.dtype)
+                slot.scatter_update(tf.IndexedSlices(zeros, rows))
+            replica_copy(self.rows[i]).scatter_update(
+                tf.IndexedSlices(tf.zeros_like(rows, tf.float32), rows)
             )
-        self._accumulated_samples.assign(0.0)
+        self.samples.assign(0.0)
 
 
 def float32_rows_or_dense(gradient):
@@ -226,41 +226,14 @@ def replica_copy(slot):
     distributed variable takes no scatter (TensorFlow's
     `_get_on_device_or_primary`, which its own reads use; a plain variable
     outside a strategy is its own copy)."""
-    variable = _tf_variable(slot)
+    variable = tf_variable(slot)
     local = getattr(variable, "_get_on_device_or_primary", None)
     return local() if local is not None else variable
 
 
-def update_groups(variables, sparse):
-    """Positions of `variables` in three groups: large dense (over
-    `PACKED_MAX_ELEMENTS` elements), row-sparse (`sparse`), small dense."""
-    large, packed = [], []
-    for j, variable in enumerate(variables):
-        if j not in sparse:
-            (packed if variable_size(variable) <= PACKED_MAX_ELEMENTS else large).append(j)
-    return tuple(large), tuple(sparse), tuple(packed)
-
-
-def grouped(tensors, groups):
-    """`tensors` (one per position) in the order of `groups`: the large
-    dense ones, the row-sparse ones, then the small dense ones concatenated
-    into one flat vector (one message in the collective, one pass on each
-    device)."""
-    large, sparse, packed = groups
-    out = [tensors[j] for j in large + sparse]
-    if packed:
-        out.append(flatten([tensors[j] for j in packed]))
-    return out
-
-
-def flatten(tensors):
-    """The elements of `tensors`, one after the other, as one vector."""
-    return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
-
-
 def square_messages(grads):
-    """What the GSNR update reduces beside the gradient sums: the squares
-    of dense gradients, and for row-sparse ones the rows' values and their
+    """What a GSNR update reduces beside the gradient sums: the squares of
+    dense gradients, and for row-sparse ones the rows' values and their
     squares side by side (one gathered message per variable)."""
     out = []
     for g in grads:
@@ -289,3 +262,8 @@ def empty_like(gradient, doubled=False):
         )
         return side_by_side(values, values, empty) if doubled else empty
     return tf.zeros([0])
+
+
+def _rows(variable):
+    """The shape of a per-row slot of `variable`, None for a scalar."""
+    return (variable.shape[0],) if len(variable.shape) else None

@@ -8,19 +8,10 @@ here; stateless like the rest of it.
 """
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import tensorflow as tf
 
-from tf_vrgd._gsnr_moments import (
-    Scalar,
-    TensorLike,
-    mean_where_measured,
-    measured_elements,
-    measured_mean_gsnr,
-    raw_gsnr,
-    where_measured,
-)
+from tf_vrgd._gsnr_moments import Scalar, TensorLike, mean_where_measured, where_measured
 
 
 def normalized_clipped_gsnr(
@@ -210,104 +201,18 @@ def gsnr_momentum_correction(beta_3: float, step: Scalar) -> tf.Tensor:
     return 1.0 - tf.pow(tf.cast(beta_3, tf.float32), tf.cast(step, tf.float32))
 
 
-class GSNRScale(NamedTuple):
-    """What one GSNR update computes (`gsnr_scale`): ``applied``, the factor
-    of gbar; ``scale``, the clipped ratio r (the `gsnr_scale` slot's new
-    value); ``momentum``, the GSNR momentum's new value (None without one);
-    ``row_updates``, each row's new count of measured updates (None unless
-    asked for); ``statistics``, the rows of `gsnr_statistics` followed by
-    `noise_sums` (one row, or one per segment; None unless asked for)."""
-
-    applied: tf.Tensor
-    scale: tf.Tensor
-    momentum: tf.Tensor | None
-    row_updates: tf.Tensor | None
-    statistics: tf.Tensor | None
+def kept_where_unmeasured(new: tf.Tensor, previous: TensorLike, measured: tf.Tensor) -> tf.Tensor:
+    """`new` where `measured`, `previous` elsewhere: an element the update
+    has no sample of keeps its last scale."""
+    return tf.where(measured, new, previous)
 
 
-def gsnr_scale(
-    gradient_mean: tf.Tensor,
-    second_moment: tf.Tensor,
-    gamma: Scalar,
-    epsilon: Scalar,
-    *,
-    beta_3: Scalar = 0.0,
-    correction: Scalar | None = None,
-    previous_scale: TensorLike | None = None,
-    previous_momentum: TensorLike | None = None,
-    previous_row_updates: TensorLike | None = None,
-    segments: tuple[tf.Tensor, Sequence[int]] | None = None,
-    statistics: bool = False,
-    layer_mean: tf.Tensor | None = None,
-) -> GSNRScale:
-    """The VR rule from the moments to the factor applied to gbar, for one
-    variable, for several packed into one flat vector, or for the rows of a
-    table (docs/algorithms.md §2-3): raw GSNR, layer mean over the measured
-    elements, clip to [gamma, 1], then the GSNR momentum.
-
-    Args:
-        gradient_mean, second_moment: gbar and s (`gradient_moments`).
-        gamma, epsilon: the lower clip and the variance floor.
-        beta_3, correction: the GSNR momentum and its bias correction
-            ``1 - beta_3^t`` (`gsnr_momentum_correction`), used with
-            `previous_momentum`.
-        previous_scale: the last scale, kept where nothing is measured (None
-            where the caller keeps no scale).
-        previous_momentum: p_{t-1}, or None for no GSNR momentum (the factor
-            is then r).
-        previous_row_updates: for the rows of a table (`gradient_mean` is
-            [rows, ...]): each row's count of GSNR updates in which it had a
-            sample, before this one. Each row's correction then counts its
-            own updates, and `correction` is not used.
-        segments: ``(segment_ids, sizes)`` when the tensors are several
-            variables packed flat (`segment_normalized_clipped_gsnr`).
-        statistics: also return the statistics rows: `gsnr_statistics`
-            followed by `noise_sums` (per variable when packed).
-        layer_mean: the variable's `measured_mean_gsnr`, when the caller
-            has it already (`measured_mean_gsnrs` of several variables);
-            not with `segments`.
-    """
-    gsnr = raw_gsnr(gradient_mean, second_moment, epsilon)
-    measured = measured_elements(second_moment)
-    if segments is None:
-        if layer_mean is None:
-            layer_mean = measured_mean_gsnr(gradient_mean, second_moment, epsilon)
-        scale = normalized_clipped_gsnr(gsnr, gamma, layer_mean=layer_mean)
-    else:
-        scale, layer_means, counts = segment_normalized_clipped_gsnr(
-            gsnr, *segments, gamma, measured
-        )
-    if previous_scale is not None:
-        scale = tf.where(measured, scale, previous_scale)
-    applied, momentum, row_updates, rows = scale, None, None, None
-    if previous_row_updates is not None:
-        sampled = tf.reduce_any(measured, axis=list(range(1, measured.shape.rank)))
-        row_updates = previous_row_updates + tf.cast(sampled, tf.float32)
-        correction = gsnr_momentum_correction(beta_3, row_broadcast(row_updates, scale))
-    if previous_momentum is not None:
-        momentum, applied = corrected_gsnr_momentum(
-            previous_momentum, scale, beta_3, correction, measured
-        )
-    if statistics and segments is None:
-        rows = tf.concat(
-            [
-                gsnr_statistics(gsnr, scale, applied, gamma, measured),
-                noise_sums(gradient_mean, second_moment, measured),
-            ],
-            0,
-        )
-    elif statistics:
-        segment_ids, sizes = segments
-        rows = tf.concat(
-            [
-                segment_gsnr_statistics(
-                    layer_means, scale, applied, segment_ids, counts, gamma, measured
-                ),
-                segment_noise_sums(gradient_mean, second_moment, segment_ids, len(sizes), measured),
-            ],
-            1,
-        )
-    return GSNRScale(applied, scale, momentum, row_updates, rows)
+def row_update_counts(previous: TensorLike, measured: tf.Tensor) -> tf.Tensor:
+    """Each row's count of GSNR updates in which it had a sample: `previous`
+    ([rows]) plus 1 for each row with a measured element in this one
+    (`measured` is [rows, ...])."""
+    sampled = tf.reduce_any(measured, axis=list(range(1, measured.shape.rank)))
+    return previous + tf.cast(sampled, tf.float32)
 
 
 def scale_between_gsnr_updates(

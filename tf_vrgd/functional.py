@@ -11,7 +11,8 @@ cast the result back to the variable dtype when they assign it.
 
 import tensorflow as tf
 
-# The GSNR rule (docs/algorithms.md §1-3, §7), kept in two modules of its own.
+# The GSNR rule (docs/algorithms.md §1-3, §7): its pieces, and `gsnr_scale`,
+# their composition (`tf_vrgd._gsnr_slots.measure`) in one call.
 from tf_vrgd._gsnr_moments import Scalar as Scalar
 from tf_vrgd._gsnr_moments import TensorLike as TensorLike
 from tf_vrgd._gsnr_moments import gradient_moments as gradient_moments
@@ -25,19 +26,21 @@ from tf_vrgd._gsnr_moments import measured_mean_gsnrs as measured_mean_gsnrs
 from tf_vrgd._gsnr_moments import raw_gsnr as raw_gsnr
 from tf_vrgd._gsnr_moments import sample_moments as sample_moments
 from tf_vrgd._gsnr_moments import where_measured as where_measured
-from tf_vrgd._gsnr_rule import GSNRScale as GSNRScale
 from tf_vrgd._gsnr_rule import corrected_gsnr_momentum as corrected_gsnr_momentum
 from tf_vrgd._gsnr_rule import gsnr_momentum as gsnr_momentum
 from tf_vrgd._gsnr_rule import gsnr_momentum_correction as gsnr_momentum_correction
-from tf_vrgd._gsnr_rule import gsnr_scale as gsnr_scale
 from tf_vrgd._gsnr_rule import gsnr_statistics as gsnr_statistics
+from tf_vrgd._gsnr_rule import kept_where_unmeasured as kept_where_unmeasured
 from tf_vrgd._gsnr_rule import noise_sums as noise_sums
 from tf_vrgd._gsnr_rule import normalized_clipped_gsnr as normalized_clipped_gsnr
 from tf_vrgd._gsnr_rule import row_broadcast as row_broadcast
+from tf_vrgd._gsnr_rule import row_update_counts as row_update_counts
 from tf_vrgd._gsnr_rule import scale_between_gsnr_updates as scale_between_gsnr_updates
 from tf_vrgd._gsnr_rule import segment_gsnr_statistics as segment_gsnr_statistics
 from tf_vrgd._gsnr_rule import segment_noise_sums as segment_noise_sums
 from tf_vrgd._gsnr_rule import segment_normalized_clipped_gsnr as segment_normalized_clipped_gsnr
+from tf_vrgd._gsnr_slots import GSNRScale as GSNRScale
+from tf_vrgd._gsnr_slots import gsnr_scale as gsnr_scale
 
 
 def as_float32(value: TensorLike) -> tf.Tensor:

@@ -1,0 +1,293 @@
+"""One GSNR update of the variables a device program updates together, and
+what it leaves in their slots (docs/hook.md).
+
+The rule is composed once, in `measure`, from the pieces of
+`tf_vrgd._gsnr_moments` and `tf_vrgd._gsnr_rule`; what differs between a
+large variable, the small ones packed into one flat vector and the rows of
+an embedding table is a *view* (`WholeVariable`, `PackedVariables`,
+`TableRows`): how its tensors are normalised per layer and summarised, and
+how its slots are read and written. `write_back` and `between_updates` are
+the two stateful steps, written once for the three views.
+"""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from tf_vrgd import _gsnr_rule as rule_pieces
+from tf_vrgd._gsnr_moments import (
+    Scalar,
+    TensorLike,
+    gradient_moments,
+    measured_elements,
+    measured_mean_gsnr,
+    raw_gsnr,
+    sample_moments,
+)
+
+
+class GSNRRule(NamedTuple):
+    """The rule's hyper-parameters: the clip floor, the variance floor and
+    the GSNR momentum (Python numbers, or constants in a program)."""
+
+    gamma: Scalar
+    epsilon: Scalar
+    beta_3: Scalar = 0.0
+
+    def constants(self):
+        """The same rule with each number one float32 constant (one per
+        program, not one per variable)."""
+        return GSNRRule(*(tf.constant(x, tf.float32) for x in self))
+
+
+class GSNRState(NamedTuple):
+    """Slot values before an update, each None where none is kept: the last
+    scale, the GSNR momentum, and per row the GSNR updates it had a sample
+    in (the rows of a table with a GSNR momentum only)."""
+
+    scale: TensorLike | None = None
+    momentum: TensorLike | None = None
+    row_updates: TensorLike | None = None
+
+
+class GSNRScale(NamedTuple):
+    """What one GSNR update computes (`measure`): ``applied``, the factor
+    of gbar; ``scale``, the clipped ratio r (the `gsnr_scale` slot's new
+    value); ``momentum``, the GSNR momentum's new value (None without one);
+    ``row_updates``, each row's new count of measured updates (None unless
+    kept); ``statistics``, the rows of `gsnr_statistics` followed by
+    `noise_sums` (one row per variable; None unless asked for)."""
+
+    applied: tf.Tensor
+    scale: tf.Tensor
+    momentum: tf.Tensor | None
+    row_updates: tf.Tensor | None
+    statistics: tf.Tensor | None
+
+
+class GSNRSlots(NamedTuple):
+    """The slots of the variables one program updates (a list each, in the
+    program's order), None for a kind it does not keep. Statistics are
+    summed, the others replaced."""
+
+    scale: list | None = None
+    momentum: list | None = None
+    row_updates: list | None = None
+    statistics: list | None = None
+
+
+class WholeVariable(NamedTuple):
+    """One variable, whole. `layer_mean`: its `measured_mean_gsnr` when the
+    caller has it (one program computes every large variable's), else it
+    is computed here."""
+
+    layer_mean: tf.Tensor | None = None
+
+    def read(self, slots):
+        return None if slots is None else slots[0]
+
+    def write(self, slots, value):
+        slots[0].assign(value)
+
+    def normalized(self, gsnr, measured, gamma, gradient_mean, second_moment, epsilon):
+        layer_mean = self.layer_mean
+        if layer_mean is None:
+            layer_mean = measured_mean_gsnr(gradient_mean, second_moment, epsilon)
+        return rule_pieces.normalized_clipped_gsnr(gsnr, gamma, layer_mean=layer_mean), None
+
+    def statistics(self, gsnr, scale, applied, gamma, moments, measured, means):
+        del means
+        rows = [
+            rule_pieces.gsnr_statistics(gsnr, scale, applied, gamma, measured),
+            rule_pieces.noise_sums(*moments, measured),
+        ]
+        return tf.concat(rows, 0)[None]
+
+
+class TableRows(NamedTuple):
+    """Rows of a table (`rows`, their numbers; None where no slot is
+    read): normalised like a whole variable over the rows' elements."""
+
+    rows: tf.Tensor | None = None
+
+    def read(self, slots):
+        return None if slots is None else tf.gather(slots[0], self.rows)
+
+    def write(self, slots, value):
+        slots[0].scatter_update(tf.IndexedSlices(value, self.rows))
+
+    normalized = WholeVariable.normalized
+    statistics = WholeVariable.statistics
+    layer_mean = None
+
+
+class PackedVariables(NamedTuple):
+    """Several variables as one flat vector: element i of variable
+    ``segment_ids[i]``, variable j of ``sizes[j]`` elements."""
+
+    segment_ids: tf.Tensor
+    sizes: Sequence[int]
+
+    def read(self, slots):
+        if slots is None:
+            return None
+        return tf.concat([tf.reshape(slot, [-1]) for slot in slots], 0)
+
+    def write(self, slots, value):
+        for slot, piece in zip(slots, tf.split(value, self.sizes)):
+            slot.assign(tf.reshape(piece, slot.shape))
+
+    def normalized(self, gsnr, measured, gamma, gradient_mean, second_moment, epsilon):
+        del gradient_mean, second_moment, epsilon
+        scale, layer_means, counts = rule_pieces.segment_normalized_clipped_gsnr(
+            gsnr, self.segment_ids, self.sizes, gamma, measured
+        )
+        return scale, (layer_means, counts)
+
+    def statistics(self, gsnr, scale, applied, gamma, moments, measured, means):
+        del gsnr
+        layer_means, counts = means
+        ids = self.segment_ids
+        rows = [
+            rule_pieces.segment_gsnr_statistics(
+                layer_means, scale, applied, ids, counts, gamma, measured
+            ),
+            rule_pieces.segment_noise_sums(*moments, ids, len(self.sizes), measured),
+        ]
+        return tf.concat(rows, 1)
+
+
+def measure(view, gradient_mean, second_moment, rule, correction, previous, statistics=False):
+    """The GSNR update of `view`'s tensors (docs/algorithms.md §2-3): raw
+    GSNR, normalised per layer over the measured elements and clipped to
+    [gamma, 1], the last scale kept where nothing is measured, then the
+    GSNR momentum with its bias `correction` (``1 - beta_3^t``; per row,
+    from each row's own count, where `previous` has row counts).
+
+    Returns a `GSNRScale`."""
+    gsnr = raw_gsnr(gradient_mean, second_moment, rule.epsilon)
+    measured = measured_elements(second_moment)
+    scale, means = view.normalized(
+        gsnr, measured, rule.gamma, gradient_mean, second_moment, rule.epsilon
+    )
+    if previous.scale is not None:
+        scale = rule_pieces.kept_where_unmeasured(scale, previous.scale, measured)
+    applied, momentum, row_updates, rows = scale, None, None, None
+    if previous.row_updates is not None:
+        row_updates = rule_pieces.row_update_counts(previous.row_updates, measured)
+        correction = rule_pieces.gsnr_momentum_correction(
+            rule.beta_3, rule_pieces.row_broadcast(row_updates, scale)
+        )
+    if previous.momentum is not None:
+        momentum, applied = rule_pieces.corrected_gsnr_momentum(
+            previous.momentum, scale, rule.beta_3, correction, measured
+        )
+    if statistics:
+        moments = (gradient_mean, second_moment)
+        rows = view.statistics(gsnr, scale, applied, rule.gamma, moments, measured, means)
+    return GSNRScale(applied, scale, momentum, row_updates, rows)
+
+
+def read_state(view, slots):
+    """The `GSNRState` in `slots` as `view` sees it."""
+    return GSNRState(
+        view.read(slots.scale), view.read(slots.momentum), view.read(slots.row_updates)
+    )
+
+
+def write_back(view, slots, new):
+    """Writes a `measure` result into `slots` through `view` (scale,
+    momentum and row counts replaced; the statistics rows added, with the
+    update count) and returns the factor applied to gbar."""
+    for kept, value in ((slots.scale, new.scale), (slots.momentum, new.momentum)):
+        if kept is not None:
+            view.write(kept, value)
+    if slots.row_updates is not None:
+        view.write(slots.row_updates, new.row_updates)
+    if slots.statistics is not None:
+        for slot, row in zip(slots.statistics, tf.unstack(new.statistics)):
+            slot.assign_add(tf.concat([row, [1.0]], 0))
+    return new.applied
+
+
+def between_updates(view, slots, rule, total, samples, gsnr_updates):
+    """``(gbar, factor)`` at an update that does not measure: the last
+    scale, or the GSNR momentum over its correction (per row from each
+    row's count where rows are counted; `scale_between_gsnr_updates`)."""
+    if slots.row_updates is not None:
+        gsnr_updates = rule_pieces.row_broadcast(view.read(slots.row_updates), total)
+    return rule_pieces.scale_between_gsnr_updates(
+        total,
+        samples,
+        view.read(slots.scale),
+        view.read(slots.momentum),
+        rule.beta_3,
+        gsnr_updates,
+    )
+
+
+def scaled_gradient(view, slots, rule, sums, squares, samples, replicas, step, correction):
+    """``factor * gbar`` of `view`'s variables at one update, from the
+    reduced `sums` and `squares`: at a GSNR update `measure` and
+    `write_back`; between GSNR updates (`squares` None) `between_updates`,
+    with `step` GSNR updates so far. `samples`: the accumulated sample
+    count, or None (Keras-scaled replica gradients from `replicas`)."""
+    if squares is None:
+        gradient_mean, applied = between_updates(view, slots, rule, sums, samples, step)
+        return applied * gradient_mean
+    gradient_mean, second_moment = reduced_moments(sums, squares, samples, replicas)
+    previous = read_state(view, slots)
+    statistics = slots.statistics is not None
+    new = measure(view, gradient_mean, second_moment, rule, correction, previous, statistics)
+    return write_back(view, slots, new) * gradient_mean
+
+
+def reduced_moments(sum_of_gradients, sum_of_squares, samples, replicas):
+    """``(gbar, s)`` from all-reduced sums: from Keras-scaled replica
+    gradients when `samples` is None (no accumulation), else from the
+    accumulated samples and their count."""
+    if samples is None:
+        return gradient_moments(sum_of_gradients, sum_of_squares, replicas, 1)
+    return sample_moments(sum_of_gradients, sum_of_squares, samples)
+
+
+def gsnr_scale(
+    gradient_mean: tf.Tensor,
+    second_moment: tf.Tensor,
+    gamma: Scalar,
+    epsilon: Scalar,
+    *,
+    beta_3: Scalar = 0.0,
+    correction: Scalar | None = None,
+    previous_scale: TensorLike | None = None,
+    previous_momentum: TensorLike | None = None,
+    previous_row_updates: TensorLike | None = None,
+    segments: tuple[tf.Tensor, Sequence[int]] | None = None,
+    statistics: bool = False,
+    layer_mean: tf.Tensor | None = None,
+) -> GSNRScale:
+    """`measure` in one call, its view and state named by keywords: one
+    variable (`layer_mean`, if the caller has it), several packed flat
+    (`segments = (segment_ids, sizes)`), or a table's rows
+    (`previous_row_updates`). `previous_scale`, `previous_momentum`: the
+    `GSNRState`; `beta_3` and `correction` (``1 - beta_3^t``) the momentum;
+    `statistics`: also return the statistics rows (1-D for one variable).
+    """
+    if segments is not None:
+        view = PackedVariables(*segments)
+    else:
+        view = WholeVariable(layer_mean)
+    previous = GSNRState(previous_scale, previous_momentum, previous_row_updates)
+    new = measure(
+        view,
+        gradient_mean,
+        second_moment,
+        GSNRRule(gamma, epsilon, beta_3),
+        correction,
+        previous,
+        statistics,
+    )
+    if statistics and segments is None:
+        new = new._replace(statistics=new.statistics[0])
+    return new
