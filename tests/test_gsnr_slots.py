@@ -77,7 +77,7 @@ def test_a_measured_update_writes_back_what_numpy_gives(kept):
     samples = RNG.standard_normal((4, 2, 3)) + 0.6
     samples[:, 1, 0] = 0.0  # an element of row 1 without a sample
     momentum = kept == "momentum"
-    slots = slots_.GSNRSlots(
+    slots = slots_.GSNRState(
         scale=None if momentum else _slots([(table_rows, 3)]),
         momentum=_slots([(table_rows, 3)]) if momentum else None,
         row_updates=[tf.Variable(np.array([0, 2, 0, 0, 1, 0], np.float32))] if momentum else None,
@@ -88,7 +88,7 @@ def test_a_measured_update_writes_back_what_numpy_gives(kept):
     mean = tf.constant(samples.mean(0), tf.float32)
     second = tf.constant(np.square(samples).mean(0), tf.float32)
     rule = slots_.GSNRRule(gamma, 1e-6, beta_3 if momentum else 0.0)
-    new = slots_.measure(view, mean, second, rule, None, slots_.read_state(view, slots), True)
+    new = slots_.measure(view, mean, second, rule, None, slots.read(view), True)
     applied = slots_.write_back(view, slots, new)
 
     r, _ = ref.gsnr_scale(samples, gamma)
@@ -125,7 +125,7 @@ def test_between_updates_apply_the_last_scale_or_each_rows_corrected_momentum():
     # never measured (count 0) takes the base rule's factor, 1.
     momentum = _slots([(5, 2)])
     counts = np.array([3, 1, 0, 2, 4], np.float32)
-    slots = slots_.GSNRSlots(momentum=momentum, row_updates=[tf.Variable(counts)])
+    slots = slots_.GSNRState(momentum=momentum, row_updates=[tf.Variable(counts)])
     gradient_mean, applied = slots_.between_updates(
         slots_.TableRows(tf.constant(rows)), slots, rule, total, 4.0, None
     )
@@ -135,6 +135,6 @@ def test_between_updates_apply_the_last_scale_or_each_rows_corrected_momentum():
     ref.assert_close(applied, expected, "between_updates per-row correction", rtol=1e-6)
     # With the last scale and no momentum: that scale, whatever the step.
     scale = _slots([(3, 2)])
-    slots = slots_.GSNRSlots(scale=scale)
+    slots = slots_.GSNRState(scale=scale)
     _, applied = slots_.between_updates(slots_.WholeVariable(), slots, rule, total, None, 7.0)
     np.testing.assert_array_equal(applied, scale[0].numpy())

@@ -239,7 +239,7 @@ class GSNRMixin:
         """The tf.Variables a device program may touch: the model's
         trainable ones, the optimizer's (slots, counters) and the GSNR
         statistics."""
-        statistics = [slot for slot in self._device.statistics if slot is not None]
+        statistics = [slot for slot in self._device.state.statistics if slot is not None]
         return [tf_variable(v) for v in [*self._trainable_variables, *self.variables, *statistics]]
 
     # -- replica context ------------------------------------------------------
@@ -328,7 +328,7 @@ class GSNRMixin:
         self._check_tracking("gsnr_statistic_sums")
         if not self.built:
             return None
-        return tf.stack([v.value for v in self._device.statistics]).numpy()
+        return tf.stack([v.value for v in self._device.state.statistics]).numpy()
 
     def gsnr_statistics(self) -> dict[str, dict[str, float]]:
         """Per-variable GSNR statistics averaged over the updates since the
@@ -363,7 +363,7 @@ class GSNRMixin:
         """Restarts the running sums behind `gsnr_statistics` (no host sync)."""
         self._check_tracking("reset_gsnr_statistics")
         if self.built:
-            for v in self._device.statistics:
+            for v in self._device.state.statistics:
                 v.assign(tf.zeros_like(v))
 
     def _check_tracking(self, method):

@@ -1,10 +1,7 @@
-"""`DevicePrograms`: the VR hook after the replicas (docs/hook.md): the one
+"""`DevicePrograms`: the VR hook after the replicas (docs/hook.md): the
 collective of an update and, on each device, the program that turns the
-reduced sums into the GSNR-scaled gradient and hands it to the base rule.
-It owns the rule's slots (the GSNR momentum, the last scale, the rows'
-update counts, the statistics) and the programs, made once per layout
-and cadence and traced once for every device (`OnEveryDevice`).
-"""
+reduced sums into the scaled gradient and hands it to the base rule. It
+owns the rule's slots and the programs."""
 
 import numpy as np
 import tensorflow as tf
@@ -12,7 +9,7 @@ import tensorflow as tf
 from tf_vrgd import _gsnr_slots as slots_
 from tf_vrgd import functional
 from tf_vrgd._device_trace import OnEveryDevice, TracedOnce
-from tf_vrgd._gsnr_slots import GSNRSlots
+from tf_vrgd._gsnr_slots import GSNRState, rows_shape
 from tf_vrgd._keras_adapters import tf_variable
 from tf_vrgd.statistics import ROW_WIDTH, variable_size
 
@@ -20,21 +17,13 @@ from tf_vrgd.statistics import ROW_WIDTH, variable_size
 class DevicePrograms:
     """The device side of the VR hook for the optimizer's `variables`.
 
-    Args:
-        make_slots: ``make_slots(name, **options)``, one float32 slot per
-            variable (the face's).
-        variables: the optimizer's trainable variables, in its order.
-        rule: the `GSNRRule`.
-        cadence: the GSNR cadence (`tf_vrgd._cadence.Cadence`).
-        base_rule: ``base_rule(index)`` gives the function that applies the
-            base optimizer's rule to variable `index`:
-            ``apply(scaled_gradient, learning_rate)``.
-        program_variables: ``program_variables()``, the distributed
-            variables a program may touch (the model's, the optimizer's
-            and the statistics); see `OnEveryDevice`.
-        jit: XLA-compile the large variables' program.
-        keep_scale: keep the last scale between GSNR updates (its slot).
-        track_statistics: sum the per-variable statistics.
+    `make_slots(name, **options)` makes one float32 slot per variable (the
+    face's); `rule` is the `GSNRRule`, `cadence` the GSNR `Cadence`;
+    `base_rule(index)` gives ``apply(scaled_gradient, learning_rate)``, the
+    base optimizer's rule for variable `index`; `program_variables()` the
+    distributed variables a program may touch (`OnEveryDevice`). `jit`
+    compiles the large variables' program; `keep_scale` keeps the last
+    scale between GSNR updates; `track_statistics` sums the statistics.
     """
 
     def __init__(
@@ -54,38 +43,35 @@ class DevicePrograms:
         self._base_rule, self._program_variables, self._jit = base_rule, program_variables, jit
         none = [None] * len(self.variables)
         momentum = rule.beta_3 > 0
-        self.momentums = make_slots("gsnr_momentum") if momentum else none
-        # The scale of the last GSNR update, applied until the next one (the
-        # GSNR momentum serves when there is one); 1, the base rule, where
-        # nothing has been measured yet.
-        self.scales = make_slots("gsnr_scale", initializer="ones") if keep_scale else none
-        # Per row of each variable, the GSNR updates in which the row had a
-        # sample: the bias correction of the momentum of the variables whose
-        # gradients arrive row-sparse (docs/algorithms.md §3). Which those
-        # are shows only at the first update, so every variable with rows
-        # has one (a vector, 1/columns of the variable).
-        self.row_updates = make_slots("gsnr_row_updates", shape=_rows) if momentum else none
+        # Made in this order, the order of the optimizer's `variables`.
+        momentums = make_slots("gsnr_momentum") if momentum else none
+        # The scale of the last GSNR update, applied until the next one
+        # (without a GSNR momentum); 1, the base rule, before any.
+        scales = make_slots("gsnr_scale", initializer="ones") if keep_scale else none
+        # Per row, the GSNR updates in which the row had a sample: the
+        # momentum's bias correction of tables (docs/algorithms.md §3). Which
+        # variables arrive row-sparse shows only at the first update, so
+        # every one with rows has one.
+        row_updates = make_slots("gsnr_row_updates", shape=rows_shape) if momentum else none
         # Diagnostics, not state: kept out of `variables` and checkpoints.
-        self.statistics = none
+        statistics = none
         if track_statistics:
-            self.statistics = make_slots("gsnr_statistics", shape=(ROW_WIDTH,), track=False)
+            statistics = make_slots("gsnr_statistics", shape=(ROW_WIDTH,), track=False)
+        self.state = GSNRState(scales, momentums, row_updates, statistics)
         self.programs = {}
 
     def update(self, distribution, layout, sums, squares, samples, learning_rate, iterations):
         """In cross-replica context, once per update: one `batch_reduce_to`
-        SUM of `layout`'s messages (and, at a GSNR update, the squares),
-        then once per device, in its update context
-        (`update_non_slot`), that device's program."""
+        SUM of `layout`'s messages, then on each device, in its update
+        context (`update_non_slot`), that device's program."""
 
         def update(measure):
             values = layout.collective(sums, squares, samples, measure)
             reduced = distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, values)
-            program = self._program(layout, measure, samples is not None)
-            # (Plain statements: autograph, converting this inside a
-            # one-device tf.function, mangles conditional expressions.)
+            devices = [tf_variable(v) for v in layout.variables]
             distribution.extended.update_non_slot(
-                distribution.extended.non_slot_devices([tf_variable(v) for v in layout.variables]),
-                program,
+                distribution.extended.non_slot_devices(devices),
+                self._program(layout, measure, samples is not None),
                 args=(
                     list(reduced),
                     learning_rate,
@@ -98,18 +84,16 @@ class DevicePrograms:
         self.cadence.choose(iterations, lambda: update(True), lambda: update(False))
 
     def slots(self, indices, rows=False):
-        """The `GSNRSlots` of the variables at `indices` (tf.Variables; the
-        row counts only for `rows`, a table's rows)."""
+        """The `GSNRState` of the variables at `indices` (tf.Variables),
+        with the row counts only for a table's `rows`."""
 
         def pick(slots):
             if not indices or slots[indices[0]] is None:
                 return None
             return [tf_variable(slots[i]) for i in indices]
 
-        row_updates = pick(self.row_updates) if rows else None
-        return GSNRSlots(
-            pick(self.scales), pick(self.momentums), row_updates, pick(self.statistics)
-        )
+        picked = GSNRState(*(pick(slots) for slots in self.state))
+        return picked if rows else picked._replace(row_updates=None)
 
     def _program(self, layout, measure, has_samples):
         """The device program of `layout` at a GSNR update (`measure`) or
@@ -296,8 +280,3 @@ class DevicePrograms:
                 apply(tf.IndexedSlices(scaled, gradient.indices, shape), learning_rate)
 
         return row_update
-
-
-def _rows(variable):
-    """The shape of a per-row slot of `variable`, None for a scalar."""
-    return (variable.shape[0],) if len(variable.shape) else None

@@ -14,6 +14,7 @@ import functools
 import tensorflow as tf
 
 from tf_vrgd import functional
+from tf_vrgd._gsnr_slots import rows_shape
 from tf_vrgd._keras_adapters import tf_variable
 
 
@@ -44,7 +45,7 @@ class ReplicaIntake:
         self.squares = make_slots("squared_gradient_accumulator", **on_read)
         # Rows with a sample in the micro-steps so far (> 0), for the
         # variables whose gradients arrive row-sparse.
-        self.rows = make_slots("accumulated_rows", shape=_rows, **on_read)
+        self.rows = make_slots("accumulated_rows", shape=rows_shape, **on_read)
         self.samples = make_scalar("gsnr_sample_count", **on_read)
 
     def messages(self, grads, layout, iterations, is_update_step):
@@ -52,8 +53,9 @@ class ReplicaIntake:
         the sample count) for the update in progress, and a function to
         call once the collective has read them (the accumulators' reset).
 
-        Squares are read at a GSNR update only (empty stand-ins between);
-        a row-sparse variable's are its rows' sums and squares side by side
+        Whether the update measures is decided once, here: squares are
+        taken (and read) at a GSNR update only, empty stand-ins between; a
+        row-sparse variable's are its rows' sums and squares side by side
         (`side_by_side`)."""
         if not self.accumulates:
             sums = layout.pack(grads)
@@ -66,37 +68,36 @@ class ReplicaIntake:
                 if not isinstance(gradient, tf.IndexedSlices):
                     square.set_shape(gradient.shape)
             return sums, squares, None, lambda: None
+        sums, squares, marked = self.cadence.choose(
+            iterations,
+            lambda: self._accumulate(grads, layout, is_update_step, measure=True),
+            lambda: self._accumulate(grads, layout, is_update_step, measure=False),
+        )
+        samples = self.samples.value.read_value()
+        reset = functools.partial(self._reset, layout, marked, iterations)
+        return sums, squares, samples, lambda: tf.cond(is_update_step, reset, lambda: None)
+
+    def _accumulate(self, grads, layout, is_update_step, measure):
+        """Adds this micro-step's samples (and, if `measure`, their squares)
+        to the replica's sums; returns the packed sums, the packed squares
+        (stand-ins unless `measure`) and the rows each table's sums hold."""
         indices, sparse = layout.indices, layout.sparse
         dense = tuple(indices[j] for j in range(len(grads)) if j not in sparse)
-        dense_grads = [g for j, g in enumerate(grads) if j not in sparse]
-        sparse_grads = [grads[j] for j in sparse]
-
-        def add(measure):
-            self._accumulation(dense, squares=measure)(dense_grads)
-            self._add_rows([indices[j] for j in sparse], sparse_grads, measure)
-
-        # No square is taken for an update that does not measure the GSNR.
-        self.cadence.choose(iterations, lambda: add(True), lambda: add(False))
+        self._accumulation(dense, squares=measure)(
+            [g for j, g in enumerate(grads) if j not in sparse]
+        )
+        self._add_rows([indices[j] for j in sparse], [grads[j] for j in sparse], measure)
         sums, squares, marked = [], [], []
         for j, i in enumerate(indices):
             if j in sparse:
-                rows, row_sums, moments = self._gathered_rows(
-                    i, grads[j], iterations, is_update_step
-                )
+                rows, row_sums, moments = self._gathered_rows(i, grads[j], is_update_step, measure)
                 marked.append(rows)
                 sums.append(row_sums)
                 squares.append(moments)
             else:
                 sums.append(self.sums[i].value.read_value())
                 squares.append(self.squares[i].value.read_value())
-        samples = self.samples.value.read_value()
-        reset = functools.partial(self._reset, indices, sparse, marked, iterations)
-        return (
-            layout.pack(sums),
-            layout.pack(squares),
-            samples,
-            lambda: tf.cond(is_update_step, reset, lambda: None),
-        )
+        return layout.pack(sums), layout.pack(squares), marked
 
     def _accumulation(self, indices, squares):
         """``sums += g_d; squares += g_d^2; samples += 1`` for the variables
@@ -142,36 +143,32 @@ class ReplicaIntake:
                 tf.IndexedSlices(tf.ones_like(rows, tf.float32), rows)
             )
 
-    def _gathered_rows(self, index, gradient, iterations, is_update_step):
+    def _gathered_rows(self, index, gradient, is_update_step, measure):
         """At an update step, this replica's marked rows of variable `index`
         and its sums there: ``(rows, sums, moments)``, moments as
-        `side_by_side` at a GSNR update (an empty stand-in between); empty
-        otherwise."""
+        `side_by_side` if `measure` (an empty stand-in if not); empty at
+        other micro-steps."""
         marks = replica_copy(self.rows[index])
         sum_slot = replica_copy(self.sums[index])
         square_slot = replica_copy(self.squares[index])
-        shape = gradient.dense_shape
 
-        def gather(measure):
+        def gather():
             rows = tf.cast(tf.where(marks.read_value() > 0.0)[:, 0], gradient.indices.dtype)
             rows = at_least_one_row(tf.IndexedSlices(rows[:, None], rows)).indices
-            sums = tf.IndexedSlices(sum_slot.sparse_read(rows), rows, shape)
+            sums = tf.IndexedSlices(sum_slot.sparse_read(rows), rows, gradient.dense_shape)
             if measure:
-                moments = side_by_side(sums.values, square_slot.sparse_read(rows), sums)
-            else:
-                moments = empty_like(gradient, doubled=True)
-            return rows, sums, moments
+                return rows, sums, side_by_side(sums.values, square_slot.sparse_read(rows), sums)
+            return rows, sums, empty_like(gradient, doubled=True)
 
         def none():
             empty = empty_like(gradient)
             return empty.indices, empty, empty_like(gradient, doubled=True)
 
-        def at_update():
-            return self.cadence.choose(iterations, lambda: gather(True), lambda: gather(False))
+        return tf.cond(is_update_step, gather, none)
 
-        return tf.cond(is_update_step, at_update, none)
+    def _reset(self, layout, marked, iterations):
+        indices, sparse = layout.indices, layout.sparse
 
-    def _reset(self, indices, sparse, marked, iterations):
         def reset(slots):
             for slot in slots:
                 slot.assign(tf.zeros(slot.shape, slot.dtype))
@@ -262,8 +259,3 @@ def empty_like(gradient, doubled=False):
         )
         return side_by_side(values, values, empty) if doubled else empty
     return tf.zeros([0])
-
-
-def _rows(variable):
-    """The shape of a per-row slot of `variable`, None for a scalar."""
-    return (variable.shape[0],) if len(variable.shape) else None

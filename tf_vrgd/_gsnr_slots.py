@@ -1,14 +1,8 @@
-"""One GSNR update of the variables a device program updates together, and
-what it leaves in their slots (docs/hook.md).
-
-The rule is composed once, in `measure`, from the pieces of
-`tf_vrgd._gsnr_moments` and `tf_vrgd._gsnr_rule`; what differs between a
-large variable, the small ones packed into one flat vector and the rows of
-an embedding table is a *view* (`WholeVariable`, `PackedVariables`,
-`TableRows`): how its tensors are normalised per layer and summarised, and
-how its slots are read and written. `write_back` and `between_updates` are
-the two stateful steps, written once for the three views.
-"""
+"""One update of the variables a device program updates together, and
+what it leaves in their slots (docs/hook.md): the rule composed once
+(`measure`) from the pieces of `_gsnr_moments` and `_gsnr_rule`, and its
+two stateful steps (`write_back`, `between_updates`), for three views of a
+program's tensors: `WholeVariable`, `PackedVariables`, `TableRows`."""
 
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -28,53 +22,46 @@ from tf_vrgd._gsnr_moments import (
 
 
 class GSNRRule(NamedTuple):
-    """The rule's hyper-parameters: the clip floor, the variance floor and
-    the GSNR momentum (Python numbers, or constants in a program)."""
+    """The rule's numbers: the clip floor, the variance floor, the GSNR
+    momentum."""
 
     gamma: Scalar
     epsilon: Scalar
     beta_3: Scalar = 0.0
 
     def constants(self):
-        """The same rule with each number one float32 constant (one per
-        program, not one per variable)."""
+        """The rule with each number one float32 constant (one per program,
+        not one per variable)."""
         return GSNRRule(*(tf.constant(x, tf.float32) for x in self))
 
 
 class GSNRState(NamedTuple):
-    """Slot values before an update, each None where none is kept: the last
-    scale, the GSNR momentum, and per row the GSNR updates it had a sample
-    in (the rows of a table with a GSNR momentum only)."""
+    """The rule's state of the variables one program updates, None for a
+    kind it does not keep: as slots (a list each, in the program's order;
+    `write_back` replaces the first three and adds to the statistics) or
+    as a view reads them (`read`): the last scale, the GSNR momentum, and
+    per row the GSNR updates it had a sample in (tables with a momentum)."""
 
-    scale: TensorLike | None = None
-    momentum: TensorLike | None = None
-    row_updates: TensorLike | None = None
+    scale: TensorLike | list | None = None
+    momentum: TensorLike | list | None = None
+    row_updates: TensorLike | list | None = None
+    statistics: list | None = None
+
+    def read(self, view):
+        return GSNRState(*(view.read(slots) for slots in self[:3]))
 
 
 class GSNRScale(NamedTuple):
-    """What one GSNR update computes (`measure`): ``applied``, the factor
-    of gbar; ``scale``, the clipped ratio r (the `gsnr_scale` slot's new
-    value); ``momentum``, the GSNR momentum's new value (None without one);
-    ``row_updates``, each row's new count of measured updates (None unless
-    kept); ``statistics``, the rows of `gsnr_statistics` followed by
-    `noise_sums` (one row per variable; None unless asked for)."""
+    """What `measure` computes: the factor `applied` to gbar, and the new
+    `scale` (r), `momentum` and `row_updates` (None where not kept), and
+    the `statistics` rows (`gsnr_statistics` then `noise_sums`, one per
+    variable; None unless asked for)."""
 
     applied: tf.Tensor
     scale: tf.Tensor
     momentum: tf.Tensor | None
     row_updates: tf.Tensor | None
     statistics: tf.Tensor | None
-
-
-class GSNRSlots(NamedTuple):
-    """The slots of the variables one program updates (a list each, in the
-    program's order), None for a kind it does not keep. Statistics are
-    summed, the others replaced."""
-
-    scale: list | None = None
-    momentum: list | None = None
-    row_updates: list | None = None
-    statistics: list | None = None
 
 
 class WholeVariable(NamedTuple):
@@ -161,11 +148,9 @@ class PackedVariables(NamedTuple):
 def measure(view, gradient_mean, second_moment, rule, correction, previous, statistics=False):
     """The GSNR update of `view`'s tensors (docs/algorithms.md §2-3): raw
     GSNR, normalised per layer over the measured elements and clipped to
-    [gamma, 1], the last scale kept where nothing is measured, then the
-    GSNR momentum with its bias `correction` (``1 - beta_3^t``; per row,
-    from each row's own count, where `previous` has row counts).
-
-    Returns a `GSNRScale`."""
+    [gamma, 1], the `previous` scale kept where nothing is measured, then
+    the GSNR momentum with its bias `correction` (``1 - beta_3^t``; per
+    row from each row's own count where `previous` has row counts)."""
     gsnr = raw_gsnr(gradient_mean, second_moment, rule.epsilon)
     measured = measured_elements(second_moment)
     scale, means = view.normalized(
@@ -189,22 +174,13 @@ def measure(view, gradient_mean, second_moment, rule, correction, previous, stat
     return GSNRScale(applied, scale, momentum, row_updates, rows)
 
 
-def read_state(view, slots):
-    """The `GSNRState` in `slots` as `view` sees it."""
-    return GSNRState(
-        view.read(slots.scale), view.read(slots.momentum), view.read(slots.row_updates)
-    )
-
-
 def write_back(view, slots, new):
-    """Writes a `measure` result into `slots` through `view` (scale,
-    momentum and row counts replaced; the statistics rows added, with the
-    update count) and returns the factor applied to gbar."""
-    for kept, value in ((slots.scale, new.scale), (slots.momentum, new.momentum)):
+    """Writes a `measure` result into the `GSNRState` `slots` through
+    `view` (statistics added with the update count) and returns the factor
+    applied to gbar."""
+    for kept, value in zip(slots[:3], (new.scale, new.momentum, new.row_updates)):
         if kept is not None:
             view.write(kept, value)
-    if slots.row_updates is not None:
-        view.write(slots.row_updates, new.row_updates)
     if slots.statistics is not None:
         for slot, row in zip(slots.statistics, tf.unstack(new.statistics)):
             slot.assign_add(tf.concat([row, [1.0]], 0))
@@ -213,43 +189,44 @@ def write_back(view, slots, new):
 
 def between_updates(view, slots, rule, total, samples, gsnr_updates):
     """``(gbar, factor)`` at an update that does not measure: the last
-    scale, or the GSNR momentum over its correction (per row from each
-    row's count where rows are counted; `scale_between_gsnr_updates`)."""
-    if slots.row_updates is not None:
-        gsnr_updates = rule_pieces.row_broadcast(view.read(slots.row_updates), total)
+    scale, or the GSNR momentum over its correction for `gsnr_updates`
+    (per row from each row's count where rows are counted)."""
+    previous = slots.read(view)
+    if previous.row_updates is not None:
+        gsnr_updates = rule_pieces.row_broadcast(previous.row_updates, total)
     return rule_pieces.scale_between_gsnr_updates(
-        total,
-        samples,
-        view.read(slots.scale),
-        view.read(slots.momentum),
-        rule.beta_3,
-        gsnr_updates,
+        total, samples, previous.scale, previous.momentum, rule.beta_3, gsnr_updates
     )
 
 
 def scaled_gradient(view, slots, rule, sums, squares, samples, replicas, step, correction):
-    """``factor * gbar`` of `view`'s variables at one update, from the
-    reduced `sums` and `squares`: at a GSNR update `measure` and
-    `write_back`; between GSNR updates (`squares` None) `between_updates`,
-    with `step` GSNR updates so far. `samples`: the accumulated sample
-    count, or None (Keras-scaled replica gradients from `replicas`)."""
+    """``factor * gbar`` of `view`'s variables from the reduced `sums` and
+    `squares`: `measure` and `write_back` at a GSNR update,
+    `between_updates` (`squares` None, `step` GSNR updates so far)
+    between. `samples`: the accumulated count, or None (Keras-scaled
+    gradients of `replicas` replicas)."""
     if squares is None:
         gradient_mean, applied = between_updates(view, slots, rule, sums, samples, step)
         return applied * gradient_mean
     gradient_mean, second_moment = reduced_moments(sums, squares, samples, replicas)
-    previous = read_state(view, slots)
     statistics = slots.statistics is not None
-    new = measure(view, gradient_mean, second_moment, rule, correction, previous, statistics)
+    new = measure(
+        view, gradient_mean, second_moment, rule, correction, slots.read(view), statistics
+    )
     return write_back(view, slots, new) * gradient_mean
 
 
 def reduced_moments(sum_of_gradients, sum_of_squares, samples, replicas):
-    """``(gbar, s)`` from all-reduced sums: from Keras-scaled replica
-    gradients when `samples` is None (no accumulation), else from the
-    accumulated samples and their count."""
+    """``(gbar, s)`` from all-reduced sums: of Keras-scaled replica
+    gradients when `samples` is None, else of `samples` accumulated ones."""
     if samples is None:
         return gradient_moments(sum_of_gradients, sum_of_squares, replicas, 1)
     return sample_moments(sum_of_gradients, sum_of_squares, samples)
+
+
+def rows_shape(variable):
+    """The shape of a per-row slot of `variable`, None for a scalar."""
+    return (variable.shape[0],) if len(variable.shape) else None
 
 
 def gsnr_scale(
@@ -267,27 +244,15 @@ def gsnr_scale(
     statistics: bool = False,
     layer_mean: tf.Tensor | None = None,
 ) -> GSNRScale:
-    """`measure` in one call, its view and state named by keywords: one
-    variable (`layer_mean`, if the caller has it), several packed flat
-    (`segments = (segment_ids, sizes)`), or a table's rows
-    (`previous_row_updates`). `previous_scale`, `previous_momentum`: the
-    `GSNRState`; `beta_3` and `correction` (``1 - beta_3^t``) the momentum;
-    `statistics`: also return the statistics rows (1-D for one variable).
-    """
-    if segments is not None:
-        view = PackedVariables(*segments)
-    else:
-        view = WholeVariable(layer_mean)
+    """`measure` in one call, the view and state named by keywords: one
+    variable (its `layer_mean` if known), several packed flat (`segments =
+    (segment_ids, sizes)`), or rows of a table (`previous_row_updates`);
+    `beta_3` and `correction` (``1 - beta_3^t``) for `previous_momentum`;
+    the statistics rows if `statistics` (1-D for one variable)."""
+    view = WholeVariable(layer_mean) if segments is None else PackedVariables(*segments)
     previous = GSNRState(previous_scale, previous_momentum, previous_row_updates)
-    new = measure(
-        view,
-        gradient_mean,
-        second_moment,
-        GSNRRule(gamma, epsilon, beta_3),
-        correction,
-        previous,
-        statistics,
-    )
+    rule = GSNRRule(gamma, epsilon, beta_3)
+    new = measure(view, gradient_mean, second_moment, rule, correction, previous, statistics)
     if statistics and segments is None:
         new = new._replace(statistics=new.statistics[0])
     return new
