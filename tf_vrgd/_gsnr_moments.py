@@ -24,16 +24,13 @@ def gradient_moments(
     accumulation_steps: int,
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """Mean and second moment of the k = replicas x accumulation_steps
-    gradient samples, from the all-reduced sums of the scaled samples.
+    gradient samples from the all-reduced sums of Keras-scaled ones.
 
-    Under `tf.distribute`, Keras scales each replica's loss by 1/R, so a
-    replica contributes `g_d / R` (and `(g_d / R)^2`) for each of its A
-    micro-steps. With ``S1 = sum(g_d / R)`` and ``S2 = sum((g_d / R)^2)`` over
-    all k samples:
-
-        gbar = S1 / A          s = R * S2 / A
-
-    This is the only place where that scaling is undone. `replicas` and
+    Keras scales each replica's loss by 1/R, so a replica contributes
+    ``g_d / R`` for each of its A micro-steps; with ``S1 = sum(g_d / R)``
+    and ``S2 = sum((g_d / R)^2)`` over the k samples, ``gbar = S1 / A`` and
+    ``s = R * S2 / A``. (With accumulation the VR hook undoes the scaling
+    on each sample instead: `sample_moments`.) `replicas` and
     `accumulation_steps` are Python numbers.
     """
     steps = float(accumulation_steps)
@@ -53,13 +50,10 @@ def sample_moments(
 def raw_gsnr(gradient_mean: tf.Tensor, second_moment: tf.Tensor, epsilon: Scalar) -> tf.Tensor:
     """Element-wise GSNR ``gbar^2 / max(var, epsilon * s)``, 0 where s == 0.
 
-    ``var = max(s - gbar^2, 0)`` is the population variance of the samples
-    (the paper's eq. 7). The floor ``epsilon * s`` lies above float32
-    cancellation noise in ``s - gbar^2``, so samples that agree to round-off
-    get one and the same value, and caps the ratio near ``1 / epsilon``.
-
-    Where ``s > 0`` the floor is positive, so ``max(s - gbar^2, epsilon * s)``
-    is ``max(var, epsilon * s)``; where ``s == 0`` every sample is 0, the
+    ``var = max(s - gbar^2, 0)`` is the samples' population variance (eq. 7
+    of the paper). The floor ``epsilon * s`` lies above float32
+    cancellation noise in ``s - gbar^2`` (samples equal to round-off get
+    one value) and caps the ratio near ``1 / epsilon``; where s == 0 the
     denominator is 0 and `divide_no_nan` gives the 0 the rule asks for.
     """
     squared_mean, denominator = _gsnr_terms(gradient_mean, second_moment, epsilon)
@@ -74,13 +68,11 @@ def _gsnr_terms(gradient_mean, second_moment, epsilon):
 
 
 def measured_elements(second_moment: tf.Tensor) -> tf.Tensor:
-    """Where the GSNR exists: the elements with a finite s > 0, those for
-    which some sample is non-zero and none is Inf or NaN (docs/algorithms.md
-    §2). An element with s == 0 (a row of an embedding table that no sample
-    looked up, a dead unit) takes no part in the layer mean and leaves its
-    GSNR momentum as it was; so does an element with a non-finite sample,
-    so that it spoils its own update only (as in Keras' optimizers), not
-    its layer's mean."""
+    """Where the GSNR exists: the elements with a finite s > 0 (some sample
+    non-zero, none Inf or NaN; docs/algorithms.md §2). The others (a row no
+    sample looked up, a dead unit, a non-finite sample) take no part in the
+    layer mean and keep their GSNR momentum, so that a non-finite sample
+    spoils its own element's update only, as in Keras' optimizers."""
     return tf.logical_and(second_moment > 0.0, second_moment < float("inf"))
 
 
@@ -98,17 +90,13 @@ def measured_mean_gsnrs(
     epsilon: Scalar,
     moments_in_branch: Callable[[], Sequence[tuple[tf.Tensor, tf.Tensor]]] | None = None,
 ) -> list[tf.Tensor]:
-    """`measured_mean_gsnr` of each variable of `moments`, a list of
-    ``(gbar, s)`` pairs, with one conditional for all of them:
-    `mean_gsnrs_of_element_sums` of their `gsnr_element_sums`, the masked
-    branch `masked_mean_gsnrs`.
+    """`measured_mean_gsnr` of each ``(gbar, s)`` pair of `moments`, with
+    one conditional for all (`mean_gsnrs_of_element_sums` of their
+    `gsnr_element_sums`, the masked branch `masked_mean_gsnrs`).
 
-    `moments_in_branch`, if given, makes the same pairs again inside the
-    masked branch, from what `moments` were made of. Under XLA a
-    conditional's inputs are stored whole before it runs: moments derived
-    from an update's inputs (``s = R * S2``) would then cost a write and a
-    read each at every update, where made in the branch they cost nothing
-    unless it runs.
+    `moments_in_branch`, if given, makes the pairs again inside the masked
+    branch: under XLA a conditional's inputs are stored whole before it
+    runs, so derived moments would cost a write and a read each update.
     """
     moments = list(moments)
     return mean_gsnrs_of_element_sums(
@@ -154,16 +142,14 @@ def mean_gsnrs_of_element_sums(
     masked_means: Callable[[], Sequence[tf.Tensor]],
 ) -> list[tf.Tensor]:
     """The layer means of eq. 8 from `gsnr_element_sums` of variables of
-    `sizes` elements: each sum over its size when every sum is finite (every
-    element measured: the usual case), else `masked_means()`, the
-    `masked_mean_gsnrs` of the same variables, for all of them.
+    `sizes` elements: each sum over its size when every sum is finite (all
+    elements measured, the usual case), else `masked_means()` (the
+    `masked_mean_gsnrs` of the same variables) for all of them.
 
-    One conditional for all the variables: the selects and the count made
-    the dense update 1.3x dearer when they ran at every update, and a
-    conditional per variable made a ResNet-50 update's trace and XLA
-    compilation dearer than one for all (docs/RESULTS.md). The masked
-    branch runs only when it is taken; `masked_means` may call a program
-    of its own, so that where it never runs it is never compiled.
+    One conditional for all the variables (docs/RESULTS.md: selects at
+    every update made the dense update 1.3x dearer; a conditional per
+    variable made ResNet-50's trace and compilation dearer). `masked_means`
+    may call a program of its own, never compiled where it never runs.
     """
     element_sums = list(element_sums)
     if not element_sums:

@@ -227,32 +227,3 @@ def reduced_moments(sum_of_gradients, sum_of_squares, samples, replicas):
 def rows_shape(variable):
     """The shape of a per-row slot of `variable`, None for a scalar."""
     return (variable.shape[0],) if len(variable.shape) else None
-
-
-def gsnr_scale(
-    gradient_mean: tf.Tensor,
-    second_moment: tf.Tensor,
-    gamma: Scalar,
-    epsilon: Scalar,
-    *,
-    beta_3: Scalar = 0.0,
-    correction: Scalar | None = None,
-    previous_scale: TensorLike | None = None,
-    previous_momentum: TensorLike | None = None,
-    previous_row_updates: TensorLike | None = None,
-    segments: tuple[tf.Tensor, Sequence[int]] | None = None,
-    statistics: bool = False,
-    layer_mean: tf.Tensor | None = None,
-) -> GSNRScale:
-    """`measure` in one call, the view and state named by keywords: one
-    variable (its `layer_mean` if known), several packed flat (`segments =
-    (segment_ids, sizes)`), or rows of a table (`previous_row_updates`);
-    `beta_3` and `correction` (``1 - beta_3^t``) for `previous_momentum`;
-    the statistics rows if `statistics` (1-D for one variable)."""
-    view = WholeVariable(layer_mean) if segments is None else PackedVariables(*segments)
-    previous = GSNRState(previous_scale, previous_momentum, previous_row_updates)
-    rule = GSNRRule(gamma, epsilon, beta_3)
-    new = measure(view, gradient_mean, second_moment, rule, correction, previous, statistics)
-    if statistics and segments is None:
-        new = new._replace(statistics=new.statistics[0])
-    return new

@@ -9,10 +9,12 @@ All statistics are computed in float32 whatever the variable dtype; callers
 cast the result back to the variable dtype when they assign it.
 """
 
+from collections.abc import Sequence
+
 import tensorflow as tf
 
-# The GSNR rule (docs/algorithms.md §1-3, §7): its pieces, and `gsnr_scale`,
-# their composition (`tf_vrgd._gsnr_slots.measure`) in one call.
+# The GSNR rule (docs/algorithms.md §1-3, §7): its pieces; `gsnr_scale` below
+# is their composition (`tf_vrgd._gsnr_slots.measure`) in one call.
 from tf_vrgd._gsnr_moments import Scalar as Scalar
 from tf_vrgd._gsnr_moments import TensorLike as TensorLike
 from tf_vrgd._gsnr_moments import gradient_moments as gradient_moments
@@ -39,8 +41,37 @@ from tf_vrgd._gsnr_rule import scale_between_gsnr_updates as scale_between_gsnr_
 from tf_vrgd._gsnr_rule import segment_gsnr_statistics as segment_gsnr_statistics
 from tf_vrgd._gsnr_rule import segment_noise_sums as segment_noise_sums
 from tf_vrgd._gsnr_rule import segment_normalized_clipped_gsnr as segment_normalized_clipped_gsnr
+from tf_vrgd._gsnr_slots import GSNRRule, GSNRState, PackedVariables, WholeVariable, measure
 from tf_vrgd._gsnr_slots import GSNRScale as GSNRScale
-from tf_vrgd._gsnr_slots import gsnr_scale as gsnr_scale
+
+
+def gsnr_scale(
+    gradient_mean: tf.Tensor,
+    second_moment: tf.Tensor,
+    gamma: Scalar,
+    epsilon: Scalar,
+    *,
+    beta_3: Scalar = 0.0,
+    correction: Scalar | None = None,
+    previous_scale: TensorLike | None = None,
+    previous_momentum: TensorLike | None = None,
+    previous_row_updates: TensorLike | None = None,
+    segments: tuple[tf.Tensor, Sequence[int]] | None = None,
+    statistics: bool = False,
+    layer_mean: tf.Tensor | None = None,
+) -> GSNRScale:
+    """`measure` in one call, the view and state named by keywords: one
+    variable (its `layer_mean` if known), several packed flat (`segments =
+    (segment_ids, sizes)`), or rows of a table (`previous_row_updates`);
+    `beta_3` and `correction` (``1 - beta_3^t``) for `previous_momentum`;
+    the statistics rows if `statistics` (1-D for one variable)."""
+    view = WholeVariable(layer_mean) if segments is None else PackedVariables(*segments)
+    previous = GSNRState(previous_scale, previous_momentum, previous_row_updates)
+    rule = GSNRRule(gamma, epsilon, beta_3)
+    new = measure(view, gradient_mean, second_moment, rule, correction, previous, statistics)
+    if statistics and segments is None:
+        new = new._replace(statistics=new.statistics[0])
+    return new
 
 
 def as_float32(value: TensorLike) -> tf.Tensor:
