@@ -19,11 +19,12 @@ from tf_vrgd._keras_adapters import tf_variable
 
 
 class ReplicaIntake:
-    """The replica side of the VR hook for the variables `variables`.
+    """The replica side of the VR hook.
 
-    `make_slots(name, **options)` makes one float32 slot per variable (the
-    face's, so that names, tracking and checkpoints are the optimizer's);
-    `cadence` is the GSNR cadence (`tf_vrgd._cadence.Cadence`);
+    `make_slots(name, **options)` makes one float32 slot per trainable
+    variable of the optimizer and `make_scalar(name, **options)` one scalar
+    (the face's, so that names, tracking and checkpoints are the
+    optimizer's); `cadence` is the GSNR cadence (`tf_vrgd._cadence.Cadence`);
     `accumulation_steps` the micro-steps of an update (None: no
     accumulation); `jit` compiles the micro-step sums with XLA.
     """
