@@ -203,10 +203,7 @@ class DevicePrograms:
         rule = self.rule
 
         def update(sums, squares, samples, learning_rate, step, replicas, means):
-            constants = rule.constants()
-            correction = None
-            if measure:
-                correction = functional.gsnr_momentum_correction(constants.beta_3, step)
+            constants, correction = rule.in_program(step, measure)
             squares = squares or [None] * len(sums)
             means = [None] * len(sums) if means is None else tf.unstack(means)
             for apply, kept, total, square, mean in zip(appliers, slots, sums, squares, means):
@@ -234,10 +231,7 @@ class DevicePrograms:
         rule = self.rule
 
         def packed_update(total, squares, samples, learning_rate, step, replicas):
-            constants = rule.constants()
-            correction = None
-            if measure:
-                correction = functional.gsnr_momentum_correction(constants.beta_3, step)
+            constants, correction = rule.in_program(step, measure)
             view = slots_.PackedVariables(tf.constant(segment_ids), sizes)
             scaled = slots_.scaled_gradient(
                 view, kept, constants, total, squares, samples, replicas, step, correction
@@ -273,6 +267,8 @@ class DevicePrograms:
                 sums, squares = gradient.values, None
                 if measure:
                     sums, squares = tf.split(gradient.values, 2, axis=-1)
+                # The rule in Python numbers, as the rows have always been
+                # computed (a constant's 1 - beta_3 rounds differently).
                 view = slots_.TableRows(gradient.indices)
                 scaled = slots_.scaled_gradient(
                     view, kept, rule, sums, squares, samples, replicas, None, None

@@ -34,6 +34,15 @@ class GSNRRule(NamedTuple):
         not one per variable)."""
         return GSNRRule(*(tf.constant(x, tf.float32) for x in self))
 
+    def in_program(self, step, measure):
+        """``(constants(), correction)`` for one program: the momentum's bias
+        correction ``1 - beta_3^step`` at a GSNR update (`measure`), None
+        between."""
+        constants = self.constants()
+        if not measure:
+            return constants, None
+        return constants, rule_pieces.gsnr_momentum_correction(constants.beta_3, step)
+
 
 class GSNRState(NamedTuple):
     """The rule's state of the variables one program updates, None for a
@@ -93,10 +102,10 @@ class WholeVariable(NamedTuple):
 
 
 class TableRows(NamedTuple):
-    """Rows of a table (`rows`, their numbers; None where no slot is
-    read): normalised like a whole variable over the rows' elements."""
+    """The `rows` (their numbers) of a table: normalised and summarised as
+    one whole variable of those rows, its slots gathered and scattered."""
 
-    rows: tf.Tensor | None = None
+    rows: tf.Tensor
 
     def read(self, slots):
         return None if slots is None else tf.gather(slots[0], self.rows)
@@ -104,9 +113,11 @@ class TableRows(NamedTuple):
     def write(self, slots, value):
         slots[0].scatter_update(tf.IndexedSlices(value, self.rows))
 
-    normalized = WholeVariable.normalized
-    statistics = WholeVariable.statistics
-    layer_mean = None
+    def normalized(self, *moments_and_rule):
+        return WholeVariable().normalized(*moments_and_rule)
+
+    def statistics(self, *terms):
+        return WholeVariable().statistics(*terms)
 
 
 class PackedVariables(NamedTuple):
