@@ -357,3 +357,29 @@ def noise_scale_sums(updates, interval=1):
             flat = np.asarray(s, np.float64).reshape(len(s), -1)
             sums[i] += [np.sum(flat.mean(0) ** 2), np.mean(np.sum(flat**2, 1)), 1.0]
     return sums
+
+
+# --- AdaScale (docs/algorithms.md §10) --------------------------------------------
+
+
+def adascale_gains(updates, scale=None, decay=0.0):
+    """AdaScale's gain and scale-invariant step, per update, from the samples
+    of each update (`helpers.samples_per_update`): a list of ``(r, tau)``,
+    tau the value before the update (the step its rate is read at)."""
+    k = len(updates[0][0])
+    scale = float(scale or k)
+    averages, tau, out = np.zeros(2), 0.0, []
+    for count, samples in enumerate(updates, start=1):
+        flat = [np.asarray(s, np.float64).reshape(k, -1) for s in samples]
+        big = sum(np.sum(f.mean(0) ** 2) for f in flat)
+        small = sum(np.mean(np.sum(f**2, 1)) for f in flat)
+        new = np.array([scale * (small - big), k * big - small]) / (k - 1)
+        averages = decay * averages + (1 - decay) * new
+        variance, squared_norm = averages / (1 - decay**count)  # bias-corrected
+        gain = 1.0
+        if squared_norm > 0:
+            ratio = (variance + squared_norm) / (variance / scale + squared_norm)
+            gain = float(np.clip(ratio, 1.0, scale))
+        out.append((gain, tau))
+        tau += gain
+    return out

@@ -1,5 +1,5 @@
 """Keras citizenship: serialization, save/load, checkpoints, XLA, mixed
-precision and sparse gradients, for LARS and LARC."""
+precision and sparse gradients, for LARS, LARC and the measuring wrappers."""
 
 import keras
 import numpy as np
@@ -30,6 +30,10 @@ OPTIMIZERS = {
     "LARC(LARS)": lambda: tf_vrgd.LARC(tf_vrgd.LARS(0.3, exclude_from_weight_decay=["bias"])),
     "NoiseScale(SGD)": lambda: tf_vrgd.NoiseScale(
         keras.optimizers.SGD(0.05, momentum=0.9), interval=3
+    ),
+    # Two micro-steps: two samples per update, so one device measures.
+    "AdaScale(SGD)": lambda: tf_vrgd.AdaScale(
+        tf_vrgd.SGD(0.05, momentum=0.9, gradient_accumulation_steps=2), scale=4, decay=0.9
     ),
 }
 
@@ -122,7 +126,9 @@ def test_checkpoint_lockstep(name, tmp_path):
     tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(
         prefix
     ).assert_existing_objects_matched()
-    assert int(resumed.optimizer.iterations.numpy()) == len(first)
+    applying = getattr(resumed.optimizer, "inner_optimizer", resumed.optimizer)
+    updates = len(first) // (applying.gradient_accumulation_steps or 1)
+    assert int(resumed.optimizer.iterations.numpy()) == updates
     for xb, yb in rest:
         resumed.train_on_batch(xb, yb)
     label = f"{name} checkpoint lockstep"

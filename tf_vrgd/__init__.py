@@ -9,6 +9,7 @@ from tf_vrgd import functional, noise_scale, schedules, statistics
 from tf_vrgd._gsnr import find_vr_optimizer
 from tf_vrgd.adam import Adam
 from tf_vrgd.adamw import AdamWeightDecay
+from tf_vrgd.adascale import AdaScale, ScaleInvariantStop
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
@@ -32,11 +33,13 @@ __all__ = [
     "VRLAMB",
     "VRLARS",
     "VRSGD",
+    "AdaScale",
     "Adam",
     "AdamWeightDecay",
     "GSNRMonitor",
     "LossScaleOptimizer",
     "NoiseScale",
+    "ScaleInvariantStop",
     "VRAdam",
     "__version__",
     "find_vr_optimizer",

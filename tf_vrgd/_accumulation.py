@@ -41,13 +41,15 @@ class ReplicaAccumulationMixin:
     works under MirroredStrategy and MultiWorkerMirroredStrategy, as under
     the default strategy. Without accumulation, the base class runs as is.
 
-    A companion (`tf_vrgd.NoiseScale`'s) may set `_gradient_companion` to an
+    A companion (`tf_vrgd.NoiseScale`'s, `tf_vrgd.AdaScale`'s) may set `_gradient_companion` to an
     object with three functions: `replica_sums(grads, variables)`, called in
     each replica at each micro-step, gives tensors of its own that the
     update's collective reduces with the gradients (one call);
     `reduced(distribution, means, variables, sums)` receives, on update
-    steps, the reduced means and those sums in cross-replica context; and
-    `reset()` runs in each replica after an update step.
+    steps, the reduced means and those sums in cross-replica context, and
+    may return the learning rate the update applies (`tf_vrgd.AdaScale`'s;
+    None keeps the optimizer's); and `reset()` runs in each replica after
+    an update step.
     """
 
     _gradient_companion = None
@@ -129,9 +131,10 @@ class ReplicaAccumulationMixin:
             values = list(zip(means, tf_variables)) + [(e, tf_variables[0]) for e in extra]
             reduced = distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, values)
             reduced, reduced_extra = reduced[: len(means)], reduced[len(means) :]
+            rate = None
             if companion is not None:
-                companion.reduced(distribution, reduced, variables, reduced_extra)
-            learning_rate = self.learning_rate
+                rate = companion.reduced(distribution, reduced, variables, reduced_extra)
+            learning_rate = self.learning_rate if rate is None else rate
             if self.weight_decay is not None:
                 # Keras' decoupled weight decay, before the update step.
                 for variable, tf_variable in zip(variables, tf_variables):

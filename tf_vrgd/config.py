@@ -18,9 +18,9 @@ tensorflow/models sources)::
       dynamic_decay: false
 
 Model Garden's own types keep their field names and defaults (`sgd`,
-`adam`, `adamw`, `lamb`, `lars`); this package adds the wrappers `larc`
-and `noise_scale` (fields of `tf_vrgd.LARC` or `tf_vrgd.NoiseScale` plus
-an inner `optimizer` block) and `vr_sgd`, `vr_adam`,
+`adam`, `adamw`, `lamb`, `lars`); this package adds the wrappers `larc`,
+`noise_scale` and `adascale` (fields of `tf_vrgd.LARC`, `tf_vrgd.NoiseScale`
+or `tf_vrgd.AdaScale` plus an inner `optimizer` block) and `vr_sgd`, `vr_adam`,
 `vr_lamb`, `vr_lars`, whose fields are their constructors' arguments and
 also the fields of their base type, so that renaming `lamb` to `vr_lamb`
 switches a published block to its VR twin.
@@ -56,6 +56,7 @@ from tf_vrgd._config_schedules import learning_rate_from_config as learning_rate
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd.adam import Adam
 from tf_vrgd.adamw import AdamWeightDecay
+from tf_vrgd.adascale import AdaScale
 from tf_vrgd.lamb import LAMB
 from tf_vrgd.larc import LARC
 from tf_vrgd.lars import LARS
@@ -262,9 +263,14 @@ NOISE_SCALE_FIELDS = {
     **_constructor_fields(NoiseScale, exclude=("optimizer",)),
     "optimizer": None,
 }
+ADASCALE_FIELDS = {**_constructor_fields(AdaScale, exclude=("optimizer",)), "optimizer": None}
 # The wrapper types: the class and its fields, one of which is the inner
 # `optimizer` block.
-WRAPPER_TYPES = {"larc": (LARC, LARC_FIELDS), "noise_scale": (NoiseScale, NOISE_SCALE_FIELDS)}
+WRAPPER_TYPES = {
+    "larc": (LARC, LARC_FIELDS),
+    "noise_scale": (NoiseScale, NOISE_SCALE_FIELDS),
+    "adascale": (AdaScale, ADASCALE_FIELDS),
+}
 
 
 EMA_FIELDS = {
@@ -281,8 +287,8 @@ BLOCK_KEYS = ("optimizer", "learning_rate", "warmup", "ema")
 def accumulation_steps(cfg: dict | str | os.PathLike) -> int:
     """The micro-steps per update A that the `optimizer` block of `cfg` (an
     optimization block or a whole experiment) asks for: its
-    `gradient_accumulation_steps`, or for a `larc` or `noise_scale` block
-    its inner optimizer's (the wrapper applies through the inner
+    `gradient_accumulation_steps`, or for a wrapper block (`larc`,
+    `noise_scale`, `adascale`) its inner optimizer's (the wrapper applies through the inner
     optimizer's accumulation). 1 when unset. The block is checked as
     `optimizer_from_config` checks it.
     """

@@ -8,6 +8,7 @@ import keras
 import numpy as np
 
 from tf_vrgd import _gsnr, noise_scale, noise_scale_optimizer, replica_noise, statistics, validation
+from tf_vrgd.adascale import AdaScale, find_adascale
 
 
 class GSNRMonitor(keras.callbacks.Callback):
@@ -40,7 +41,9 @@ class GSNRMonitor(keras.callbacks.Callback):
 
     Around a `tf_vrgd.NoiseScale`, only ``noise_scale`` (and per variable)
     is logged, from the squared norms that wrapper sums (`batch_size` is
-    then required); its samples are the replicas.
+    then required); its samples are the replicas. Around a
+    `tf_vrgd.AdaScale`, ``adascale_gain`` and ``scale_invariant_steps`` are
+    logged: the gain of the last update and tau after it.
 
     List it before `keras.callbacks.TensorBoard` (callbacks see `logs` in list
     order); TensorBoard then writes ``epoch_gsnr_mean`` and the rest.
@@ -87,17 +90,21 @@ class GSNRMonitor(keras.callbacks.Callback):
         self._last_sums = None
 
     def _measured_optimizer(self):
-        """The VR optimizer, else the `NoiseScale`, the model trains with."""
+        """The VR optimizer, else the `NoiseScale` or the `AdaScale`, the
+        model trains with."""
         optimizer = _gsnr.find_vr_optimizer(self.model.optimizer)
         if optimizer is not None:
             return optimizer
         optimizer = noise_scale_optimizer.find_noise_scale(self.model.optimizer)
         if optimizer is None:
+            optimizer = find_adascale(self.model.optimizer)
+            if optimizer is not None:
+                return optimizer
             raise ValueError(
                 "GSNRMonitor needs a VR optimizer (tf_vrgd.VRSGD, VRAdam, "
                 "VRLARS, VRLAMB, possibly wrapped in LARC or "
-                "LossScaleOptimizer) or an optimizer wrapped in tf_vrgd.NoiseScale. "
-                f"Received: {type(self.model.optimizer).__name__}"
+                "LossScaleOptimizer) or an optimizer wrapped in tf_vrgd.NoiseScale "
+                f"or tf_vrgd.AdaScale. Received: {type(self.model.optimizer).__name__}"
             )
         if self.batch_size is None:
             raise ValueError(
@@ -108,6 +115,9 @@ class GSNRMonitor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         optimizer = self._optimizer = self._measured_optimizer()
+        if isinstance(optimizer, AdaScale):
+            self._read = self._reset = None
+            return
         self._gsnr = isinstance(optimizer, _gsnr.GSNRMixin)
         # The running sums' reader and their noise-scale columns: a VR
         # optimizer's statistics rows, or NoiseScale's own.
@@ -144,7 +154,8 @@ class GSNRMonitor(keras.callbacks.Callback):
             )
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._reset()
+        if self._reset is not None:
+            self._reset()
         self._last_sums = None
 
     def on_train_batch_end(self, batch, logs=None):
@@ -157,6 +168,11 @@ class GSNRMonitor(keras.callbacks.Callback):
             self._log(logs, since_epoch_start=True)
 
     def _log(self, logs, since_epoch_start=False):
+        if self._read is None:  # AdaScale
+            if logs is not None:
+                logs["adascale_gain"] = self._optimizer.gain
+                logs["scale_invariant_steps"] = self._optimizer.scale_invariant_steps
+            return
         sums = self._read()
         if sums is None or logs is None:
             return

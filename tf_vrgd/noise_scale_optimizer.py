@@ -14,7 +14,6 @@ from tf_vrgd._cadence import Cadence
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd._keras_adapters import Untracked
 from tf_vrgd._wrapper import InnerOptimizerWrapper, find_inner
-from tf_vrgd.larc import LARC
 
 # The columns of `NoiseScale.noise_scale_sums`: per variable, the sums over
 # the measured updates of |G_big|^2 and |G_small|^2, then their count.
@@ -70,35 +69,7 @@ class NoiseScale(InnerOptimizerWrapper):
         interval: int = 1,
         name: str | None = None,
     ) -> None:
-        self.check_inner(optimizer)
-        if isinstance(optimizer, GSNRMixin):
-            raise ValueError(
-                "`optimizer` is a VR optimizer, which measures the noise scale from its "
-                "own moments: give tf_vrgd.GSNRMonitor a `batch_size` instead. "
-                f"Received: optimizer={optimizer!r}"
-            )
-        if isinstance(optimizer, (NoiseScale, LARC, keras.optimizers.LossScaleOptimizer)):
-            raise ValueError(
-                "`optimizer` must not be a NoiseScale, a LARC or a LossScaleOptimizer: "
-                "NoiseScale rewrites the all-reduce of the optimizer that applies the "
-                "gradients. Wrap LARC's inner optimizer, and wrap NoiseScale in a "
-                f"LossScaleOptimizer. Received: optimizer={optimizer!r}"
-            )
-        if optimizer.gradient_accumulation_steps and not isinstance(
-            optimizer, ReplicaAccumulationMixin
-        ):
-            raise ValueError(
-                "With `gradient_accumulation_steps`, NoiseScale measures each micro-step's "
-                "gradient inside the accumulation of this package's optimizers "
-                "(tf_vrgd.SGD, Adam, AdamWeightDecay, LARS, LAMB); Keras' own accumulation "
-                f"keeps only their sum. Received: {type(optimizer).__name__} with "
-                f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
-            )
-        if getattr(optimizer, "_wrapped_by_noise_scale", False):
-            raise ValueError(
-                "`optimizer` is already wrapped by another NoiseScale. "
-                f"Received: optimizer={optimizer!r}"
-            )
+        check_measurable(optimizer, "NoiseScale")
         super().__init__(optimizer, name=name)
         self.interval = validation.check_integer("interval", interval, low=1)
         self._sums = None
@@ -158,7 +129,7 @@ class NoiseScale(InnerOptimizerWrapper):
             )
         # A flag, not a reference back: Keras' saving walks the attributes
         # of optimizers, and a cycle would make it recurse.
-        inner._wrapped_by_noise_scale = True
+        inner._all_reduce_measured_by = "NoiseScale"
 
     def _reduce_and_measure(self, replica_context, strategy, grads_and_vars):
         present = [(i, g, v) for i, (g, v) in enumerate(grads_and_vars) if g is not None]
@@ -167,7 +138,7 @@ class NoiseScale(InnerOptimizerWrapper):
         gradients = [g for _, g, _ in present]
         variables = [v for _, _, v in present]
         local = self._if_measured(
-            lambda: self._scatter(variables, _squared_norms(gradients)),
+            lambda: self._scatter(variables, squared_norms(gradients)),
             lambda: tf.zeros([len(self.inner_optimizer._trainable_variables)]),
         )
         *reduced, local_sum = replica_context.all_reduce(
@@ -178,7 +149,7 @@ class NoiseScale(InnerOptimizerWrapper):
             # Each replica's gradient is its sample over R (Keras' loss
             # scaling): sum_d |g_d|^2 / R = R * sum_d |g_d / R|^2.
             replicas = strategy.num_replicas_in_sync
-            self._add_to_sums(variables, _squared_norms(reduced), replicas * local_sum)
+            self._add_to_sums(variables, squared_norms(reduced), replicas * local_sum)
 
         # The sums are read from the first replica of each machine (on-read,
         # first replica): the others skip the squared norms of the reduced
@@ -215,7 +186,7 @@ class NoiseScale(InnerOptimizerWrapper):
         norms = self._local_norms.value
 
         def add():
-            norms.assign_add(self._scatter(variables, _squared_norms(grads)))
+            norms.assign_add(self._scatter(variables, squared_norms(grads)))
 
         self._if_measured(add, lambda: None)
         return [norms.read_value()]
@@ -232,7 +203,7 @@ class NoiseScale(InnerOptimizerWrapper):
             return distribution.experimental_local_results(value)[0]
 
         def record():
-            big = _squared_norms([first(m) for m in means])
+            big = squared_norms([first(m) for m in means])
             self._add_to_sums(variables, big, first(sums[0]) * (replicas / steps))
 
         self._if_measured(record, lambda: None)
@@ -267,6 +238,42 @@ class NoiseScale(InnerOptimizerWrapper):
         return list(self.inner_optimizer._trainable_variables)
 
 
+def check_measurable(optimizer, wrapper):
+    """Refuses, naming what to do instead, an optimizer that `wrapper` (the
+    name of a class that measures in the inner optimizer's all-reduce:
+    `NoiseScale`, `AdaScale`) cannot wrap."""
+    InnerOptimizerWrapper.check_inner(optimizer)
+    if isinstance(optimizer, GSNRMixin):
+        raise ValueError(
+            "`optimizer` is a VR optimizer, which measures the noise scale from its "
+            "own moments: give tf_vrgd.GSNRMonitor a `batch_size` instead. "
+            f"Received: optimizer={optimizer!r}"
+        )
+    if isinstance(optimizer, (InnerOptimizerWrapper, keras.optimizers.LossScaleOptimizer)):
+        raise ValueError(
+            f"`optimizer` must not be a NoiseScale, an AdaScale, a LARC or a "
+            f"LossScaleOptimizer: {wrapper} rewrites the all-reduce of the optimizer that "
+            f"applies the gradients. Wrap LARC's inner optimizer, and wrap {wrapper} in a "
+            f"LossScaleOptimizer. Received: optimizer={optimizer!r}"
+        )
+    if optimizer.gradient_accumulation_steps and not isinstance(
+        optimizer, ReplicaAccumulationMixin
+    ):
+        raise ValueError(
+            f"With `gradient_accumulation_steps`, {wrapper} measures each micro-step's "
+            "gradient inside the accumulation of this package's optimizers "
+            "(tf_vrgd.SGD, Adam, AdamWeightDecay, LARS, LAMB); Keras' own accumulation "
+            f"keeps only their sum. Received: {type(optimizer).__name__} with "
+            f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
+        )
+    measured_by = getattr(optimizer, "_all_reduce_measured_by", None)
+    if measured_by is not None:
+        raise ValueError(
+            f"`optimizer` is already wrapped by a {measured_by}, which rewrote its "
+            f"all-reduce. Received: optimizer={optimizer!r}"
+        )
+
+
 class _Companion(NamedTuple):
     """What `ReplicaAccumulationMixin` calls around its collective (plain
     functions: no reference back to the wrapper that Keras' saving would
@@ -277,7 +284,7 @@ class _Companion(NamedTuple):
     reset: object
 
 
-def _squared_norms(gradients):
+def squared_norms(gradients):
     """The squared norm of each gradient, as a vector: ``2 * l2_loss`` in
     float32, one fused kernel that reads the values once (2.5x faster on
     ResNet-50's gradients than the same reductions in one XLA program on
