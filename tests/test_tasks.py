@@ -821,3 +821,29 @@ def test_a_resume_over_other_input_files_is_refused_naming_them(tmp_path, capsys
         recorded = json.load(f)[run_folder.INPUT_FILES]["train"]
     assert sorted(recorded) == [str(data / f"day_{d}.tsv") for d in (0, 2, 3)]
     assert recorded[str(data / "day_2.tsv")] == os.path.getsize(data / "day_2.tsv")
+
+
+def test_an_adascale_run_logs_its_gain_and_ends_when_tau_reaches_the_train_steps(tmp_path):
+    """vrgd-train with an `adascale` block: the gain and tau in the records,
+    and training stops once tau reaches `train_steps`, the base schedule's
+    length, before that many updates (the gain is above 1 on 2 replicas)."""
+    path = str(tmp_path / "cifar")
+    task_data.write_cifar(path, 16)
+    block = {
+        "type": "adascale",
+        "adascale": {"optimizer": {"type": "sgd", "sgd": {"momentum": 0.9}}},
+    }
+    overrides = {
+        **TINY_CIFAR,
+        "task.train_data.input_path": path,
+        "task.validation_data.input_path": path,
+        "trainer.optimizer_config.optimizer": block,
+        "trainer.checkpoint_interval": 4,
+        "trainer.validation_steps": 1,
+    }
+    output = tmp_path / "run"
+    _train("cifar10_resnet56_momentum_1k.yaml", output, overrides, "--train-steps", "8")
+    (run_dir,) = [p for p in output.iterdir() if (p / "metrics.jsonl").exists()]
+    last = _records(run_dir)[-1]
+    assert last["train_scale_invariant_steps"] >= 8 > last["updates"]
+    assert 1.0 < last["train_adascale_gain"] <= 2.0

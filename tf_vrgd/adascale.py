@@ -148,6 +148,13 @@ class AdaScale(InnerOptimizerWrapper):
         """tau: the base-batch steps the updates so far are worth."""
         return 0.0 if self._state is None else float(self._state[1].numpy())
 
+    @property
+    def scale_invariant_steps_variable(self):
+        """tau as a float64 `tf.Variable` (None before `build`), for a
+        learning rate that reads it in the graph: a callable base rate is
+        called before tau grows by this update's gain."""
+        return None if self._state is None else tf_variable(self._state[1])
+
     # -- the hooks ------------------------------------------------------------
 
     def _install_hooks(self):

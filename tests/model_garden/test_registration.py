@@ -14,7 +14,12 @@ pytest.importorskip("tf_keras")
 pytest.importorskip("official")
 
 from official.modeling.optimization import optimizer_factory
+import tensorflow as tf
 
+from tests import helpers
+from tests import references as ref
+from tests.model_garden.test_faces import _apply_face
+import tf_vrgd
 from tf_vrgd import config
 import tf_vrgd.model_garden as model_garden
 
@@ -118,3 +123,35 @@ def test_delayed_polynomial_is_a_model_garden_schedule():
     np.testing.assert_allclose([float(schedule(s)) for s in steps], expected, rtol=1e-5, atol=1e-9)
     fields = schedule.get_config()["after_warmup_lr_sched"]
     assert fields["decay_start_steps"] == 48000 and fields["power"] == 2.0
+
+
+def test_an_adascale_block_trains_in_model_garden_as_the_package_builds_it(strategy):
+    """`adascale` around Model Garden's `sgd`, under a stepwise schedule:
+    the face reads Model Garden's tf_keras schedule at floor(tau), as the
+    package's Keras 3 AdaScale reads its own (against numpy in
+    tests/test_adascale.py); the same updates on 4 replicas."""
+    block = {
+        "optimizer": {
+            "type": "adascale",
+            "adascale": {"decay": 0.5, "optimizer": {"type": "sgd", "sgd": {"momentum": 0.9}}},
+        },
+        "learning_rate": {
+            "type": "stepwise",
+            "stepwise": {"boundaries": [3, 7], "values": [0.1, 0.05, 0.02]},
+        },
+    }
+    stream = helpers.model_stream(10, 4, [1e-2, 1.0, 5e-2, 0.3], seed=71)
+    with strategy.scope():
+        face = _model_garden_optimizer(block)
+        variables = [tf.Variable(w) for w in helpers.make_model().get_weights()]
+    assert isinstance(face.keras_optimizer, tf_vrgd.AdaScale)
+    _apply_face(strategy, face, variables, stream)
+    initial, expected, ours = helpers.run_mirrored(
+        strategy, lambda: config.optimizer_from_config(block), stream
+    )
+    # The gains took tau past both boundaries well before update 7.
+    assert ours.scale_invariant_steps > 14
+    ref.assert_all_close(
+        [v.numpy() for v in variables], expected, "adascale in Model Garden", start=initial
+    )
+    assert face.keras_optimizer.scale_invariant_steps == pytest.approx(ours.scale_invariant_steps)

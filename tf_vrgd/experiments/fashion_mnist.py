@@ -182,6 +182,7 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
 
     import tf_vrgd
     from tf_vrgd import config, find_vr_optimizer, noise_scale_optimizer
+    from tf_vrgd.adascale import find_adascale
     from tf_vrgd.experiments import data, models
 
     os.makedirs(run_dir, exist_ok=True)
@@ -257,6 +258,8 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
         # optimizer, in a `noise_scale` block) in the progress bar; per
         # layer in the records.
         callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.batch_size))
+    elif find_adascale(model.optimizer) is not None:
+        callbacks.append(tf_vrgd.GSNRMonitor())  # the gain and tau
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
     model.fit(
         train_ds,

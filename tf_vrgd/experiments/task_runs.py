@@ -254,9 +254,11 @@ def _interval_callback(experiment, strategy, model, vr_optimizer, run_dir, recor
         def on_epoch_begin(self, epoch, logs=None):
             _reseed_random_layers(model, epoch)
             self.updates = experiment.updates_in(epoch)
+            self.batches = 0
             self.start = time.time()
 
         def on_train_batch_end(self, batch, logs=None):
+            self.batches = batch + 1
             # The last interval may be shorter than fit's epochs.
             short = self.updates < experiment.interval
             if short and batch + 1 >= self.updates * experiment.accumulation:
@@ -264,10 +266,13 @@ def _interval_callback(experiment, strategy, model, vr_optimizer, run_dir, recor
 
         def on_epoch_end(self, epoch, logs=None):
             seconds = time.time() - self.start
-            examples = self.updates * experiment.global_batch
+            # The updates taken: another callback (ScaleInvariantStop) may
+            # have ended the interval early.
+            taken = min(self.updates, self.batches // experiment.accumulation)
+            examples = taken * experiment.global_batch
             record = {
                 "epoch": epoch,
-                "updates": (epoch * experiment.interval) + self.updates,
+                "updates": (epoch * experiment.interval) + taken,
                 "seconds": seconds,
                 "examples_per_second": examples / seconds,
                 "examples_per_second_per_replica": examples / seconds / experiment.replicas,
@@ -302,6 +307,7 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
 
     import tf_vrgd
     from tf_vrgd import config, find_vr_optimizer, noise_scale_optimizer
+    from tf_vrgd.adascale import find_adascale
 
     write_dir = scratch or run_dir
     os.makedirs(write_dir, exist_ok=True)
@@ -341,6 +347,11 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     if vr_optimizer is not None or measured:
         # A Keras step's examples: the monitor counts the accumulation.
         monitor = [tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.step_batch)]
+    elif find_adascale(model.optimizer) is not None:
+        # The gain and tau in the logs; the run's updates are the base
+        # schedule's length, which tau reaches first (r >= 1).
+        total = experiment.intervals * experiment.interval
+        monitor = [tf_vrgd.GSNRMonitor(), tf_vrgd.ScaleInvariantStop(total)]
     if done < experiment.intervals:
         # One fit, an epoch per interval: one iterator reads the training
         # stream on from interval to interval (a resumed run starts it

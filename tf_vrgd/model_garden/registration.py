@@ -29,12 +29,13 @@ from official.modeling import optimization
 from official.modeling.hyperparams import base_config
 from official.modeling.optimization import optimizer_factory
 from official.modeling.optimization.configs import optimizer_config
+import tensorflow as tf
 import tf_keras
 
 from tf_vrgd import config
 from tf_vrgd.model_garden.optimizers import KerasOptimizerFace, refuse_tf_keras_arguments
 
-#: The VR optimizer types this module registers (and `larc`).
+#: The VR optimizer types this module registers (and `larc`, `adascale`).
 VR_TYPES = ("vr_sgd", "vr_adam", "vr_lamb", "vr_lars")
 
 
@@ -142,24 +143,45 @@ class LARCConfig(optimizer_config.BaseOptimizerConfig):
 
 
 @dataclasses.dataclass
+class AdaScaleConfig(optimizer_config.BaseOptimizerConfig):
+    """Fields of the `adascale` type (`tf_vrgd.AdaScale`'s arguments) and
+    the optimizer it wraps (not a VR type: `tf_vrgd.AdaScale` refuses
+    them)."""
+
+    name: str | None = None
+    scale: float | None = config.ADASCALE_FIELDS["scale"]
+    decay: float | None = config.ADASCALE_FIELDS["decay"]
+    optimizer: InnerOptimizerConfig = dataclasses.field(default_factory=InnerOptimizerConfig)
+
+
+@dataclasses.dataclass
 class OptimizerConfig(InnerOptimizerConfig):
-    """Model Garden's optimizer one-of with the VR types and `larc`."""
+    """Model Garden's optimizer one-of with the VR types, `larc` and
+    `adascale`."""
 
     larc: LARCConfig = dataclasses.field(default_factory=LARCConfig)
+    adascale: AdaScaleConfig = dataclasses.field(default_factory=AdaScaleConfig)
 
 
-class ModelGardenLARC(KerasOptimizerFace):
-    """The `larc` type in Model Garden's factory: LARC around any type the
-    package reads (the VR types, and Model Garden's `sgd`, `adam`, `adamw`,
-    `lamb`, `lars` as `tf_vrgd.config` builds them)."""
+class _ModelGardenWrapper(KerasOptimizerFace):
+    """A wrapper type (`kind`, of `tf_vrgd.config.WRAPPER_TYPES`) in Model
+    Garden's factory, around any type the package reads (the VR types, and
+    Model Garden's `sgd`, `adam`, `adamw`, `lamb`, `lars` as
+    `tf_vrgd.config` builds them)."""
+
+    kind = None
+    # The type's fields that share a name with one of tf_keras' arguments.
+    own_fields = ()
 
     def __init__(self, learning_rate=0.001, optimizer=None, **fields):
+        own = {name: fields.pop(name) for name in self.own_fields if name in fields}
         refuse_tf_keras_arguments(type(self).__name__, fields)
+        fields.update(own)
         # Model Garden passes the whole inner one-of: keep the chosen type.
         kind = (optimizer or {}).get("type")
         inner = {"type": kind, kind: (optimizer or {}).get(kind) or {}}
         self._fields = {**fields, "optimizer": inner}
-        twin = config.optimizer_from_fields("larc", self._fields, self._current_learning_rate)
+        twin = config.optimizer_from_fields(self.kind, self._fields, self._current_learning_rate)
         self._wrap(twin, learning_rate)
 
     def get_config(self):
@@ -169,7 +191,30 @@ class ModelGardenLARC(KerasOptimizerFace):
         }
 
 
+class ModelGardenLARC(_ModelGardenWrapper):
+    """The `larc` type in Model Garden's factory: `tf_vrgd.LARC`."""
+
+    kind = "larc"
+
+
+class ModelGardenAdaScale(_ModelGardenWrapper):
+    """The `adascale` type in Model Garden's factory: `tf_vrgd.AdaScale`,
+    whose base rate is Model Garden's schedule read at floor(tau), the
+    scale-invariant step, in place of the update count."""
+
+    kind = "adascale"
+    own_fields = ("decay",)  # the moving averages', not tf_keras' rate decay
+
+    def _current_learning_rate(self):
+        rate = self.learning_rate_argument
+        if isinstance(rate, tf_keras.optimizers.schedules.LearningRateSchedule):
+            tau = self._keras_optimizer.scale_invariant_steps_variable
+            return tf.cast(rate(tf.cast(tf.floor(tau), tf.int64)), tf.float32)
+        return tf.cast(rate, tf.float32)
+
+
 FACTORY_CLASSES["larc"] = ModelGardenLARC
+FACTORY_CLASSES["adascale"] = ModelGardenAdaScale
 
 
 def _schedule_config_class(kind):
@@ -228,7 +273,7 @@ class OptimizationConfig(optimization.OptimizationConfig):
 
 
 def register():
-    """Registers every VR type and `larc` in Model Garden's factory (for tf_keras'
+    """Registers every VR type, `larc` and `adascale` in Model Garden's factory (for tf_keras'
     legacy optimizers, which Model Garden builds by default), and the
     package's learning-rate types in its schedule table; a second call
     does nothing."""
