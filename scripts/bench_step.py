@@ -53,7 +53,7 @@ def parse_args(argv=None):
         "--pairs",
         nargs="+",
         default=None,
-        help="subset of: Momentum Adam LAMB LARS LARC NoiseScale",
+        help="subset of: Momentum Adam LAMB LARS LARC NoiseScale AdaScale",
     )
     parser.add_argument(
         "--kinds",

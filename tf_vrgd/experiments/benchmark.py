@@ -53,7 +53,7 @@ UPDATE_BYTES_PER_PARAMETER = {
 # accumulator and writes it; a VR optimizer does so for both sums.
 ACCUMULATION_BYTES = {"base": 12, "vr": 20}
 # The pairs whose twin wraps its base (no VR twin: no interval, no XLA).
-WRAPPER_PAIRS = ("LARC", "NoiseScale")
+WRAPPER_PAIRS = ("LARC", "NoiseScale", "AdaScale")
 
 
 def update_bytes(base_rule, vr=False, beta_3=0.0, gsnr_interval=1, accumulation_steps=0):
@@ -115,6 +115,12 @@ def pairs(tf_vrgd=None):
             lambda interval=1, **k: tf_vrgd.NoiseScale(tf_vrgd.Adam(1e-3, **k), interval=interval),
             "Adam",
         ),
+        # The same Adam, its rate set by the gain from the same measurement.
+        "AdaScale": (
+            lambda **k: tf_vrgd.Adam(1e-3, **k),
+            lambda **k: tf_vrgd.AdaScale(tf_vrgd.Adam(1e-3, **k)),
+            "Adam",
+        ),
     }
 
 
@@ -137,6 +143,9 @@ def _candidate_bytes(pair_name, optimizer, accumulation_steps=0):
         return update_bytes(base_rule, accumulation_steps=accumulation_steps) + 8 / (
             optimizer.interval
         )
+    if pair_name == "AdaScale" and type(optimizer).__name__ == "AdaScale":
+        # The same two reads as NoiseScale's, at every update.
+        return update_bytes(base_rule, accumulation_steps=accumulation_steps) + 8
     return update_bytes(
         base_rule,
         vr=hasattr(optimizer, "gsnr_interval"),
