@@ -262,28 +262,29 @@ def test_a_config_block_builds_adascale():
     assert optimizer.inner_optimizer.momentum == 0.9
 
 
-@pytest.mark.parametrize(
-    "make, said",
-    [
-        (lambda: tf_vrgd.AdaScale(tf_vrgd.VRAdam()), "VR optimizer"),
-        (lambda: tf_vrgd.AdaScale(tf_vrgd.LARC(keras.optimizers.SGD())), "LARC"),
-        (lambda: tf_vrgd.AdaScale(tf_vrgd.NoiseScale(keras.optimizers.SGD())), "NoiseScale"),
-        (
-            lambda: tf_vrgd.AdaScale(tf_vrgd.LossScaleOptimizer(keras.optimizers.SGD())),
-            "LossScaleOptimizer",
-        ),
-        (
-            lambda: tf_vrgd.AdaScale(keras.optimizers.SGD(gradient_accumulation_steps=2)),
-            "Keras' own accumulation",
-        ),
-        (lambda: tf_vrgd.AdaScale(keras.optimizers.SGD(), scale=1), "scale"),
-        (lambda: tf_vrgd.AdaScale(keras.optimizers.SGD(), decay=1.0), "decay"),
-        (lambda: tf_vrgd.ScaleInvariantStop(0), "steps"),
-    ],
-)
-def test_bad_arguments_are_refused_by_name(make, said):
+def _sgd():
+    return keras.optimizers.SGD()
+
+
+# What the error names -> the wrapped optimizer or the arguments refused.
+REFUSED = {
+    "VR optimizer": (tf_vrgd.VRAdam, {}),
+    "LARC": (lambda: tf_vrgd.LARC(_sgd()), {}),
+    "NoiseScale": (lambda: tf_vrgd.NoiseScale(_sgd()), {}),
+    "LossScaleOptimizer": (lambda: tf_vrgd.LossScaleOptimizer(_sgd()), {}),
+    "Keras' own accumulation": (lambda: keras.optimizers.SGD(gradient_accumulation_steps=2), {}),
+    "scale": (_sgd, {"scale": 1}),
+    "decay": (_sgd, {"decay": 1.0}),
+}
+
+
+@pytest.mark.parametrize("said", REFUSED)
+def test_bad_arguments_are_refused_by_name(said):
+    inner, arguments = REFUSED[said]
     with pytest.raises(ValueError, match=said):
-        make()
+        tf_vrgd.AdaScale(inner(), **arguments)
+    with pytest.raises(ValueError, match="steps"):
+        tf_vrgd.ScaleInvariantStop(0)
 
 
 def test_an_optimizer_is_measured_once():

@@ -588,6 +588,20 @@ def test_bench_step_times_the_noise_scale_wrapper_at_each_interval():
     assert moved["base again"] == moved["base"]
 
 
+def test_bench_step_pairs_adascale_with_its_inner_adam():
+    import tf_vrgd
+    from tf_vrgd.experiments import benchmark
+
+    base, twin, rule = benchmark.pairs()["AdaScale"]
+    wrapped = twin()
+    assert isinstance(wrapped, tf_vrgd.AdaScale) and type(wrapped.inner_optimizer) is type(base())
+    assert "AdaScale" in benchmark.WRAPPER_PAIRS and rule == "Adam"
+    # Adam's 28 B, and the two reads of the gradient for the squared norms
+    # at every update.
+    assert benchmark._candidate_bytes("AdaScale", wrapped) == 36
+    assert benchmark._candidate_bytes("AdaScale", base()) == 28
+
+
 def test_the_update_kind_gives_embedding_tables_rows(strategy):
     """`timing.Candidate`'s update feeds an embedding table a row-sparse
     gradient (one row per example and replica, as the training step does),
