@@ -13,7 +13,8 @@ seeds:
   without accumulation, VR-SGD with 2 micro-steps;
 - `tf_vrgd.NoiseScale` around Keras' Adam on the VR-Momentum stream, and
   around the package's Adam with 2 micro-steps on the VR-Adam samples:
-  their running sums.
+  their running sums;
+- `tf_vrgd.AdaScale` on the same two streams: weights, gain and tau.
 
 Every worker writes the final weights of both runs to its output file.
 """
@@ -65,6 +66,19 @@ ROW_RUNS = {
 }
 
 
+# name: (AdaScale, micro-steps): on the VR-Momentum stream (k = 2) and on
+# the VR-Adam samples as 2 micro-steps (k = 4, S = 16).
+ADASCALE_RUNS = {
+    "adascale_two_workers": (lambda: tf_vrgd.AdaScale(keras.optimizers.SGD(0.1), decay=0.5), 1),
+    "adascale_micro_steps": (
+        lambda: tf_vrgd.AdaScale(
+            tf_vrgd.SGD(0.05, momentum=0.9, gradient_accumulation_steps=2), scale=16, decay=0.9
+        ),
+        2,
+    ),
+}
+
+
 def row_stream(accumulation):
     """[micro-steps][2 replicas] of rows: 3 updates."""
     return rows.row_stream(steps=3 * accumulation, replicas=2, rows_per_replica=5, seed=9)
@@ -99,6 +113,14 @@ def main(output):
     for name, (make_optimizer, stream) in noise_runs.items():
         _, _, optimizer = helpers.run_mirrored(strategy, make_optimizer, stream)
         results[f"{name}_sums"] = optimizer.noise_scale_sums()
+    for name, (make_optimizer, accumulation) in ADASCALE_RUNS.items():
+        stream = runs["adam" if accumulation > 1 else "momentum"][1]
+        _, weights, optimizer = helpers.run_mirrored(strategy, make_optimizer, stream)
+        results[f"gain_and_tau_of_{name}"] = np.array(
+            [optimizer.gain, optimizer.scale_invariant_steps]
+        )
+        for i, w in enumerate(weights):
+            results[f"{name}_{i}"] = w
     for name, (case, extra, accumulation) in ROW_RUNS.items():
         make = functools.partial(rows.CASES[case].make, **extra)
         _, weights, optimizer = rows.run(strategy, make, row_stream(accumulation))

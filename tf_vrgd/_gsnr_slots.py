@@ -1,7 +1,7 @@
 """One update of the variables a device program updates together, and
 what it leaves in their slots (docs/hook.md): the rule composed once
-(`measure`) from the pieces of `_gsnr_moments` and `_gsnr_rule`, and its
-two stateful steps (`write_back`, `between_updates`), for three views of a
+(`measure`) from the pure pieces of `tf_vrgd.functional`, and its two
+stateful steps (`write_back`, `between_updates`), for three views of a
 program's tensors: `WholeVariable`, `PackedVariables`, `TableRows`."""
 
 from collections.abc import Sequence
@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from tf_vrgd import _gsnr_rule as rule_pieces
-from tf_vrgd._gsnr_moments import (
+from tf_vrgd import _functional_gsnr as rule_pieces
+from tf_vrgd._functional_moments import (
     Scalar,
     TensorLike,
     gradient_moments,

@@ -13,34 +13,37 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from tf_vrgd._functional_gsnr import corrected_gsnr_momentum as corrected_gsnr_momentum
+from tf_vrgd._functional_gsnr import gsnr_momentum as gsnr_momentum
+from tf_vrgd._functional_gsnr import gsnr_momentum_correction as gsnr_momentum_correction
+from tf_vrgd._functional_gsnr import gsnr_statistics as gsnr_statistics
+from tf_vrgd._functional_gsnr import kept_where_unmeasured as kept_where_unmeasured
+from tf_vrgd._functional_gsnr import noise_sums as noise_sums
+from tf_vrgd._functional_gsnr import normalized_clipped_gsnr as normalized_clipped_gsnr
+from tf_vrgd._functional_gsnr import row_broadcast as row_broadcast
+from tf_vrgd._functional_gsnr import row_update_counts as row_update_counts
+from tf_vrgd._functional_gsnr import scale_between_gsnr_updates as scale_between_gsnr_updates
+from tf_vrgd._functional_gsnr import segment_gsnr_statistics as segment_gsnr_statistics
+from tf_vrgd._functional_gsnr import segment_noise_sums as segment_noise_sums
+from tf_vrgd._functional_gsnr import (
+    segment_normalized_clipped_gsnr as segment_normalized_clipped_gsnr,
+)
+
 # The GSNR rule (docs/algorithms.md §1-3, §7): its pieces; `gsnr_scale` below
 # is their composition (`tf_vrgd._gsnr_slots.measure`) in one call.
-from tf_vrgd._gsnr_moments import Scalar as Scalar
-from tf_vrgd._gsnr_moments import TensorLike as TensorLike
-from tf_vrgd._gsnr_moments import gradient_moments as gradient_moments
-from tf_vrgd._gsnr_moments import gsnr_element_sums as gsnr_element_sums
-from tf_vrgd._gsnr_moments import masked_mean_gsnrs as masked_mean_gsnrs
-from tf_vrgd._gsnr_moments import mean_gsnrs_of_element_sums as mean_gsnrs_of_element_sums
-from tf_vrgd._gsnr_moments import mean_where_measured as mean_where_measured
-from tf_vrgd._gsnr_moments import measured_elements as measured_elements
-from tf_vrgd._gsnr_moments import measured_mean_gsnr as measured_mean_gsnr
-from tf_vrgd._gsnr_moments import measured_mean_gsnrs as measured_mean_gsnrs
-from tf_vrgd._gsnr_moments import raw_gsnr as raw_gsnr
-from tf_vrgd._gsnr_moments import sample_moments as sample_moments
-from tf_vrgd._gsnr_moments import where_measured as where_measured
-from tf_vrgd._gsnr_rule import corrected_gsnr_momentum as corrected_gsnr_momentum
-from tf_vrgd._gsnr_rule import gsnr_momentum as gsnr_momentum
-from tf_vrgd._gsnr_rule import gsnr_momentum_correction as gsnr_momentum_correction
-from tf_vrgd._gsnr_rule import gsnr_statistics as gsnr_statistics
-from tf_vrgd._gsnr_rule import kept_where_unmeasured as kept_where_unmeasured
-from tf_vrgd._gsnr_rule import noise_sums as noise_sums
-from tf_vrgd._gsnr_rule import normalized_clipped_gsnr as normalized_clipped_gsnr
-from tf_vrgd._gsnr_rule import row_broadcast as row_broadcast
-from tf_vrgd._gsnr_rule import row_update_counts as row_update_counts
-from tf_vrgd._gsnr_rule import scale_between_gsnr_updates as scale_between_gsnr_updates
-from tf_vrgd._gsnr_rule import segment_gsnr_statistics as segment_gsnr_statistics
-from tf_vrgd._gsnr_rule import segment_noise_sums as segment_noise_sums
-from tf_vrgd._gsnr_rule import segment_normalized_clipped_gsnr as segment_normalized_clipped_gsnr
+from tf_vrgd._functional_moments import Scalar as Scalar
+from tf_vrgd._functional_moments import TensorLike as TensorLike
+from tf_vrgd._functional_moments import gradient_moments as gradient_moments
+from tf_vrgd._functional_moments import gsnr_element_sums as gsnr_element_sums
+from tf_vrgd._functional_moments import masked_mean_gsnrs as masked_mean_gsnrs
+from tf_vrgd._functional_moments import mean_gsnrs_of_element_sums as mean_gsnrs_of_element_sums
+from tf_vrgd._functional_moments import mean_where_measured as mean_where_measured
+from tf_vrgd._functional_moments import measured_elements as measured_elements
+from tf_vrgd._functional_moments import measured_mean_gsnr as measured_mean_gsnr
+from tf_vrgd._functional_moments import measured_mean_gsnrs as measured_mean_gsnrs
+from tf_vrgd._functional_moments import raw_gsnr as raw_gsnr
+from tf_vrgd._functional_moments import sample_moments as sample_moments
+from tf_vrgd._functional_moments import where_measured as where_measured
 from tf_vrgd._gsnr_slots import GSNRRule, GSNRState, PackedVariables, WholeVariable, measure
 from tf_vrgd._gsnr_slots import GSNRScale as GSNRScale
 

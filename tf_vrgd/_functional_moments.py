@@ -1,7 +1,7 @@
 """The first half of the GSNR rule of the VR optimizers as pure tensor
 arithmetic (docs/algorithms.md §1-2): the moments of the gradient samples,
 the raw element-wise GSNR, the elements where it exists, and its layer
-mean over them. The rest of the rule is `tf_vrgd._gsnr_rule`.
+mean over them. The rest of the rule is `tf_vrgd._functional_gsnr`.
 
 Public through `tf_vrgd.functional`, which re-exports every public name
 here; stateless like the rest of it.

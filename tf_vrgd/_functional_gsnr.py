@@ -1,7 +1,8 @@
 """The GSNR rule of the VR optimizers as pure tensor arithmetic
 (docs/algorithms.md §2-3 and §7), from the moments and the raw GSNR of
-`tf_vrgd._gsnr_moments`: the normalised, clipped GSNR, its momentum, the
-statistics and the noise-scale terms, and the rule between GSNR updates.
+`tf_vrgd._functional_moments`: the normalised, clipped GSNR, its momentum,
+the statistics and the noise-scale terms, and the rule between GSNR
+updates.
 
 Public through `tf_vrgd.functional`, which re-exports every public name
 here; stateless like the rest of it.
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tf_vrgd._gsnr_moments import Scalar, TensorLike, mean_where_measured, where_measured
+from tf_vrgd._functional_moments import Scalar, TensorLike, mean_where_measured, where_measured
 
 
 def normalized_clipped_gsnr(
