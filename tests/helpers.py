@@ -141,6 +141,25 @@ def run_mirrored_against(strategy, make_optimizer, stream, steps, reference, lab
     return initial, got, optimizer
 
 
+def apply_gradients_mirrored(strategy, face, variables, stream):
+    """Each replica applies its own gradient (scaled by 1/R, as Model
+    Garden's train_step scales the loss) through `face.apply_gradients` (a
+    tf_keras optimizer's)."""
+    replicas = strategy.num_replicas_in_sync
+
+    @tf.function
+    def step(stacked):
+        def replica_fn():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            grads = [tf.gather(g, replica) / replicas for g in stacked]
+            face.apply_gradients(zip(grads, variables))
+
+        strategy.run(replica_fn)
+
+    for grads in stream:
+        step([tf.constant(np.stack([r[i] for r in grads])) for i in range(len(grads[0]))])
+
+
 def free_ports(count):
     """`count` free TCP ports on 127.0.0.1 (for local multi-worker clusters)."""
     sockets = [socket.socket() for _ in range(count)]

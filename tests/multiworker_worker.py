@@ -14,7 +14,8 @@ seeds:
 - `tf_vrgd.NoiseScale` around Keras' Adam on the VR-Momentum stream, and
   around the package's Adam with 2 micro-steps on the VR-Adam samples:
   their running sums;
-- `tf_vrgd.AdaScale` on the same two streams: weights, gain and tau.
+- `tf_vrgd.AdaScale`, without and with 2 micro-steps: weights, gain and
+  tau.
 
 Every worker writes the final weights of both runs to its output file.
 """
@@ -66,8 +67,8 @@ ROW_RUNS = {
 }
 
 
-# name: (AdaScale, micro-steps): on the VR-Momentum stream (k = 2) and on
-# the VR-Adam samples as 2 micro-steps (k = 4, S = 16).
+# name: (AdaScale, micro-steps): k = 2 workers, and 2 workers x 2
+# micro-steps (k = 4, S = 16), on `adascale_stream`.
 ADASCALE_RUNS = {
     "adascale_two_workers": (lambda: tf_vrgd.AdaScale(keras.optimizers.SGD(0.1), decay=0.5), 1),
     "adascale_micro_steps": (
@@ -77,6 +78,18 @@ ADASCALE_RUNS = {
         2,
     ),
 }
+
+
+def adascale_stream(accumulation):
+    """[micro-steps][2 replicas][variables], 4 updates: samples around a
+    mean shared by the update's samples, so that the gain is resolved."""
+    shapes = helpers.model_shapes()
+    stream = helpers.gradient_stream(shapes, UPDATES * accumulation, replicas=2, seed=11)
+    means = helpers.gradient_stream(shapes, UPDATES, replicas=1, seed=12)
+    return [
+        [[g + 0.7 * m for g, m in zip(replica, means[i // accumulation][0])] for replica in step]
+        for i, step in enumerate(stream)
+    ]
 
 
 def row_stream(accumulation):
@@ -114,7 +127,7 @@ def main(output):
         _, _, optimizer = helpers.run_mirrored(strategy, make_optimizer, stream)
         results[f"{name}_sums"] = optimizer.noise_scale_sums()
     for name, (make_optimizer, accumulation) in ADASCALE_RUNS.items():
-        stream = runs["adam" if accumulation > 1 else "momentum"][1]
+        stream = adascale_stream(accumulation)
         _, weights, optimizer = helpers.run_mirrored(strategy, make_optimizer, stream)
         results[f"gain_and_tau_of_{name}"] = np.array(
             [optimizer.gain, optimizer.scale_invariant_steps]

@@ -383,3 +383,17 @@ def adascale_gains(updates, scale=None, decay=0.0):
         out.append((gain, tau))
         tau += gain
     return out
+
+
+def adascale_weights(initial, updates, gains, rule_at, base_rate):
+    """The weights after applying, at each update, `rule_at(rate)` (a
+    `Rule`) to the mean of its samples, with rate = r * lr(floor(tau)):
+    `gains` as `adascale_gains` gives them, `base_rate(step)` the base
+    schedule."""
+    weights = [np.asarray(w, np.float64) for w in initial]
+    slots = [[np.zeros_like(w) for _ in range(rule_at(1.0).slot_count)] for w in weights]
+    for t, (samples, (gain, tau)) in enumerate(zip(updates, gains), start=1):
+        rule = rule_at(gain * base_rate(int(np.floor(tau))))
+        for i, s in enumerate(samples):
+            weights[i], slots[i] = rule.step(i, weights[i], s.mean(0), slots[i], t)
+    return weights

@@ -62,18 +62,6 @@ CASES = {
 }
 
 
-def _reference(initial, updates, gains, rule_at, base_rate):
-    """The weights after applying, at each update, `rule_at(rate)` to the
-    mean of its samples, with rate = r * lr(floor(tau))."""
-    weights = [np.asarray(w, np.float64) for w in initial]
-    slots = [[np.zeros_like(w) for _ in range(rule_at(1.0).slot_count)] for w in weights]
-    for t, (samples, (gain, tau)) in enumerate(zip(updates, gains), start=1):
-        rule = rule_at(gain * base_rate(int(np.floor(tau))))
-        for i, s in enumerate(samples):
-            weights[i], slots[i] = rule.step(i, weights[i], s.mean(0), slots[i], t)
-    return weights
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_gain_tau_and_updates_match_numpy(strategy, name):
     make, arguments, steps, rule_at, base_rate = CASES[name]
@@ -88,7 +76,7 @@ def test_gain_tau_and_updates_match_numpy(strategy, name):
     last_gain, last_tau = gains[-1]
     np.testing.assert_allclose(optimizer.gain, last_gain, rtol=2e-5)
     np.testing.assert_allclose(optimizer.scale_invariant_steps, last_tau + last_gain, rtol=2e-5)
-    expected = _reference(initial, updates, gains, rule_at, base_rate)
+    expected = ref.adascale_weights(initial, updates, gains, rule_at, base_rate)
     # float32 weights of norm ~3 under updates ~1e-3: rounding alone is ~2e-4.
     ref.assert_all_close(got, expected, f"AdaScale {name}", rtol=6e-4, start=initial)
 
@@ -164,7 +152,7 @@ def test_a_skipped_step_moves_neither_tau_nor_the_averages(strategy):
     ]
     updates = helpers.samples_per_update(applied, 1)
     gains = ref.adascale_gains(updates, decay=0.5)
-    expected = _reference(initial, updates, gains, ref.sgd, lambda step: 6.4)
+    expected = ref.adascale_weights(initial, updates, gains, ref.sgd, lambda step: 6.4)
     ref.assert_all_close(got, expected, "AdaScale under loss scaling", rtol=6e-4, start=initial)
     adascale = optimizer.inner_optimizer
     np.testing.assert_allclose(adascale.gain, gains[-1][0], rtol=2e-5)

@@ -838,12 +838,17 @@ def test_an_adascale_run_logs_its_gain_and_ends_when_tau_reaches_the_train_steps
         "task.train_data.input_path": path,
         "task.validation_data.input_path": path,
         "trainer.optimizer_config.optimizer": block,
-        "trainer.checkpoint_interval": 4,
+        "trainer.checkpoint_interval": 2,
         "trainer.validation_steps": 1,
     }
     output = tmp_path / "run"
     _train("cifar10_resnet56_momentum_1k.yaml", output, overrides, "--train-steps", "8")
     (run_dir,) = [p for p in output.iterdir() if (p / "metrics.jsonl").exists()]
-    last = _records(run_dir)[-1]
+    records = _records(run_dir)
+    last = records[-1]
     assert last["train_scale_invariant_steps"] >= 8 > last["updates"]
     assert 1.0 < last["train_adascale_gain"] <= 2.0
+    # It ended before the last interval; run again: a resume adds nothing.
+    assert len(records) < 4
+    _train("cifar10_resnet56_momentum_1k.yaml", output, overrides, "--train-steps", "8")
+    assert _records(run_dir) == records

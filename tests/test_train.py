@@ -399,3 +399,30 @@ def test_a_second_run_on_a_live_folder_is_refused_until_the_first_ends(tmp_path)
         holder.wait()
     run_folder.lock_folder(str(tmp_path))  # taken now
     run_folder.lock_folder(str(tmp_path))  # and again in the same process
+
+
+def test_an_adascale_run_ends_when_tau_reaches_its_updates_and_stays_ended(fashion, tmp_path):
+    """vrgd-train with an `adascale` block: the gain, tau and the updates in
+    each epoch's record; the run ends once tau reaches the planned updates
+    (8 epochs of 8), before the last epoch (k = 2 samples, S = 4); running
+    it again adds nothing."""
+    command = _command(fashion, tmp_path / "out", 8)
+    for flag, value in (
+        ("--config", os.path.join(ROOT, "configs", "fashion_mnist", "momentum_b256.yaml")),
+        ("--batch-size", "16"),  # 8 examples a sample: a noisy gradient, a gain well over 1
+        ("--train-examples", "128"),
+    ):
+        command[command.index(flag) + 1] = value
+    inner = {"type": "sgd", "sgd": {}}
+    block = {"type": "adascale", "adascale": {"scale": 4, "optimizer": inner}}
+    command += ["--override", f"trainer.optimizer_config.optimizer={json.dumps(block)}"]
+    done = _run_to_end(command)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (run_dir,) = [p for p in (tmp_path / "out").iterdir() if (p / "metrics.jsonl").exists()]
+    records = run_folder.read_records(str(run_dir / "metrics.jsonl"), 8)
+    last = records[-1]
+    assert last["scale_invariant_steps"] >= 32 > last["updates"]
+    assert len(records) < 8 and 1.0 < last["adascale_gain"] <= 4.0
+    again = _run_to_end(command)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert run_folder.read_records(str(run_dir / "metrics.jsonl"), 8) == records

@@ -35,29 +35,11 @@ def _initial():
     ]
 
 
-def _apply_face(strategy, face, variables, stream):
-    """Each replica applies its own gradient (scaled by 1/R, as Model
-    Garden's train_step scales the loss) through `apply_gradients`."""
-    replicas = strategy.num_replicas_in_sync
-
-    @tf.function
-    def step(stacked):
-        def replica_fn():
-            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            grads = [tf.gather(g, replica) / replicas for g in stacked]
-            face.apply_gradients(zip(grads, variables))
-
-        strategy.run(replica_fn)
-
-    for grads in stream:
-        step([tf.constant(np.stack([r[i] for r in grads])) for i in range(len(grads[0]))])
-
-
 def _run_face(strategy, name, stream, arguments=None):
     with strategy.scope():
         variables = [tf.Variable(w) for w in _initial()]
         face = optimizers.FACES[name](**(arguments or ARGUMENTS[name]))
-    _apply_face(strategy, face, variables, stream)
+    helpers.apply_gradients_mirrored(strategy, face, variables, stream)
     return [v.numpy() for v in variables], face
 
 
@@ -115,13 +97,13 @@ def test_the_whole_state_goes_through_a_checkpoint(strategy, tmp_path):
     with strategy.scope():
         variables = [tf.Variable(w) for w in _initial()]
         face = optimizers.VRLAMB(**ARGUMENTS["VRLAMB"])
-    _apply_face(strategy, face, variables, stream[:2])
+    helpers.apply_gradients_mirrored(strategy, face, variables, stream[:2])
     path = tf.train.Checkpoint(variables=variables, optimizer=face).save(str(tmp_path / "ck"))
     with strategy.scope():
         restored = [tf.Variable(np.zeros(s, np.float32)) for s in SHAPES]
         new_face = optimizers.VRLAMB(**ARGUMENTS["VRLAMB"])
     tf.train.Checkpoint(variables=restored, optimizer=new_face).restore(path)
-    _apply_face(strategy, new_face, restored, stream[2:])
+    helpers.apply_gradients_mirrored(strategy, new_face, restored, stream[2:])
     assert int(new_face.iterations.numpy()) == 4
     for g, e in zip(restored, uninterrupted):
         np.testing.assert_allclose(g.numpy(), e, rtol=1e-6, atol=1e-7)
@@ -159,7 +141,7 @@ def test_a_restore_before_the_first_update_reaches_every_device(strategy, tmp_pa
         variables = [tf.Variable(w) for w in _initial()]
         restored = optimizers.VRLAMB(**ARGUMENTS["VRLAMB"])
     tf.train.Checkpoint(optimizer=restored).restore(path)
-    _apply_face(strategy, restored, variables, stream[:1])
+    helpers.apply_gradients_mirrored(strategy, restored, variables, stream[:1])
     for slot in restored.keras_optimizer.variables:
         copies = [c.numpy() for c in getattr(slot.value, "values", [slot.value])]
         assert len(copies) == strategy.num_replicas_in_sync, slot.path
@@ -185,7 +167,7 @@ def test_the_larc_face_updates_as_its_keras_3_twin(strategy):
     with strategy.scope():
         variables = [tf.Variable(w) for w in _initial()]
         face = _larc_face()
-    _apply_face(strategy, face, variables, stream)
+    helpers.apply_gradients_mirrored(strategy, face, variables, stream)
     with strategy.scope():
         twin_variables = [keras.Variable(w) for w in _initial()]
         twin = tf_vrgd.LARC(tf_vrgd.VRSGD(0.5, momentum=0.9), trust_coefficient=0.05)
@@ -238,7 +220,7 @@ def test_a_loss_scale_optimizer_around_a_face(strategy):
         wrapped = tf_keras.mixed_precision.LossScaleOptimizer(
             optimizers.VRAdam(**ARGUMENTS["VRAdam"])
         )
-    _apply_face(strategy, wrapped, variables, stream)
+    helpers.apply_gradients_mirrored(strategy, wrapped, variables, stream)
     ref.assert_all_close(
         [g.numpy() for g in variables],
         expected,
@@ -249,7 +231,7 @@ def test_a_loss_scale_optimizer_around_a_face(strategy):
     overflow = helpers.gradient_stream(SHAPES, steps=1, replicas=4, seed=9)
     overflow[0][2][0][1, 1] = np.inf
     before = [v.numpy() for v in variables]
-    _apply_face(strategy, wrapped, variables, overflow)
+    helpers.apply_gradients_mirrored(strategy, wrapped, variables, overflow)
     for b, v in zip(before, variables):
         for copy in v.values:
             np.testing.assert_array_equal(copy.numpy(), b)
@@ -295,7 +277,7 @@ def test_larc_around_a_tf_keras_optimizer_matches_the_numpy_reference(strategy):
         variables = [tf.Variable(w) for w in _initial()]
         wrapped = _tf_keras_larc()
     assert isinstance(wrapped, optimizers.LARC) and isinstance(wrapped, optimizers.TFKerasLARC)
-    _apply_face(strategy, wrapped, variables, stream)
+    helpers.apply_gradients_mirrored(strategy, wrapped, variables, stream)
     means = [[np.mean([r[i] for r in step], axis=0) for i in range(len(SHAPES))] for step in stream]
     expected = ref.run_larc_sgd(
         _initial(), means, 0.5, momentum=0.9, trust_coefficient=0.05, weight_decay=0.01
@@ -315,7 +297,7 @@ def test_larc_around_tf_keras_adam_updates_as_keras_3_larc_around_adam(strategy)
     with strategy.scope():
         variables = [tf.Variable(w) for w in _initial()]
         wrapped = _tf_keras_larc("Adam")
-    _apply_face(strategy, wrapped, variables, stream)
+    helpers.apply_gradients_mirrored(strategy, wrapped, variables, stream)
     with strategy.scope():
         twin_variables = [keras.Variable(w) for w in _initial()]
         twin = tf_vrgd.LARC(keras.optimizers.Adam(0.05), trust_coefficient=0.05, weight_decay=0.01)
@@ -335,20 +317,20 @@ def test_larc_around_a_tf_keras_optimizer_saves_and_restores(strategy, tmp_path)
     with strategy.scope():
         uninterrupted = [tf.Variable(w) for w in _initial()]
         wrapped = _tf_keras_larc()
-    _apply_face(strategy, wrapped, uninterrupted, stream)
+    helpers.apply_gradients_mirrored(strategy, wrapped, uninterrupted, stream)
     config = wrapped.get_config()
     assert config["trust_coefficient"] == 0.05 and config["optimizer"]["class_name"] == "SGD"
     with strategy.scope():
         variables = [tf.Variable(w) for w in _initial()]
         first = optimizers.TFKerasLARC.from_config(config)
     assert first.get_config() == config
-    _apply_face(strategy, first, variables, stream[:2])
+    helpers.apply_gradients_mirrored(strategy, first, variables, stream[:2])
     path = tf.train.Checkpoint(variables=variables, optimizer=first).save(str(tmp_path / "ck"))
     with strategy.scope():
         restored = [tf.Variable(np.zeros(s, np.float32)) for s in SHAPES]
         second = optimizers.TFKerasLARC.from_config(config)
     tf.train.Checkpoint(variables=restored, optimizer=second).restore(path)
-    _apply_face(strategy, second, restored, stream[2:])
+    helpers.apply_gradients_mirrored(strategy, second, restored, stream[2:])
     assert int(second.iterations.numpy()) == 4
     for g, e in zip(restored, uninterrupted):
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6, atol=1e-7)
@@ -375,8 +357,8 @@ def test_a_loss_scale_optimizer_around_larc_around_a_tf_keras_optimizer(strategy
         alone = _tf_keras_larc()
         variables = [tf.Variable(w) for w in _initial()]
         wrapped = tf_keras.mixed_precision.LossScaleOptimizer(_tf_keras_larc())
-    _apply_face(strategy, alone, expected, stream)
-    _apply_face(strategy, wrapped, variables, stream)
+    helpers.apply_gradients_mirrored(strategy, alone, expected, stream)
+    helpers.apply_gradients_mirrored(strategy, wrapped, variables, stream)
     ref.assert_all_close(
         [g.numpy() for g in variables],
         [e.numpy() for e in expected],
@@ -387,7 +369,7 @@ def test_a_loss_scale_optimizer_around_larc_around_a_tf_keras_optimizer(strategy
     overflow[0][2][0][1, 1] = np.inf
     before = [v.numpy() for v in variables]
     scale = float(wrapped.loss_scale.numpy())
-    _apply_face(strategy, wrapped, variables, overflow)
+    helpers.apply_gradients_mirrored(strategy, wrapped, variables, overflow)
     for b, v in zip(before, variables):
         for copy in v.values:
             np.testing.assert_array_equal(copy.numpy(), b)
@@ -403,7 +385,7 @@ def test_larc_around_tf_keras_sgd_clips_the_reduced_gradient_before_larc(strateg
         wrapped = optimizers.LARC(
             tf_keras.optimizers.legacy.SGD(0.5, momentum=0.9, clipnorm=0.3), trust_coefficient=0.05
         )
-    _apply_face(strategy, wrapped, variables, stream)
+    helpers.apply_gradients_mirrored(strategy, wrapped, variables, stream)
     clipped = []
     for step in stream:
         means = [np.mean([r[i] for r in step], axis=0).astype(np.float64) for i in range(4)]
@@ -492,7 +474,7 @@ def test_a_loss_scale_optimizer_refuses_a_face_that_accumulates(strategy):
             optimizers.VRAdam(0.05, gradient_accumulation_steps=2)
         )
     with pytest.raises(ValueError, match="accumulate in float32 or bfloat16"):
-        _apply_face(strategy, wrapped, variables, stream)
+        helpers.apply_gradients_mirrored(strategy, wrapped, variables, stream)
 
 
 def test_an_overflow_in_one_replicas_rows_skips_every_replica(strategy):

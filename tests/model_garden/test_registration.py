@@ -18,7 +18,6 @@ import tensorflow as tf
 
 from tests import helpers
 from tests import references as ref
-from tests.model_garden.test_faces import _apply_face
 import tf_vrgd
 from tf_vrgd import config
 import tf_vrgd.model_garden as model_garden
@@ -145,7 +144,7 @@ def test_an_adascale_block_trains_in_model_garden_as_the_package_builds_it(strat
         face = _model_garden_optimizer(block)
         variables = [tf.Variable(w) for w in helpers.make_model().get_weights()]
     assert isinstance(face.keras_optimizer, tf_vrgd.AdaScale)
-    _apply_face(strategy, face, variables, stream)
+    helpers.apply_gradients_mirrored(strategy, face, variables, stream)
     initial, expected, ours = helpers.run_mirrored(
         strategy, lambda: config.optimizer_from_config(block), stream
     )

@@ -163,9 +163,9 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
                 "learning_rate": float(model.optimizer.learning_rate.numpy()),
                 "seconds": seconds,
             }
-            record.update(
-                {k: float(v) for k, v in logs.items() if k.startswith(("gsnr", "noise_scale"))}
-            )
+            measured = ("gsnr", "noise_scale", "adascale", "scale_invariant")
+            record.update({k: float(v) for k, v in logs.items() if k.startswith(measured)})
+            record["updates"] = int(model.optimizer.iterations.numpy())
             record.update(gsnr_entries(model, vr_optimizer))
             records.append(record)
             write_records(run_dir, records)
@@ -173,6 +173,17 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
             save_checkpoint(model, run_dir, epoch + 1)
 
     return EpochEnd()
+
+
+def _reached_its_steps(model, experiment, block):
+    """Whether an AdaScale run's tau has reached its planned updates: it
+    ended there (`ScaleInvariantStop`), and a resume has nothing to add."""
+    from tf_vrgd import config
+    from tf_vrgd.adascale import find_adascale
+
+    adascale = find_adascale(model.optimizer)
+    total = experiment.epochs * experiment.steps_per_epoch // config.accumulation_steps(block)
+    return adascale is not None and adascale.scale_invariant_steps >= total
 
 
 def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
@@ -209,7 +220,7 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
                 optimizer=config.optimizer_from_config(block), loss=loss, metrics=["accuracy"]
             )
     records = read_records(os.path.join(run_dir, "metrics.jsonl"), initial_epoch)
-    if initial_epoch >= experiment.epochs:
+    if initial_epoch >= experiment.epochs or _reached_its_steps(model, experiment, block):
         return records
     if initial_epoch:
         print(
@@ -259,7 +270,11 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
         # layer in the records.
         callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.batch_size))
     elif find_adascale(model.optimizer) is not None:
-        callbacks.append(tf_vrgd.GSNRMonitor())  # the gain and tau
+        # The gain and tau in the records; the run ends when tau reaches
+        # its planned updates, the base schedule's length (r >= 1: before
+        # the last epoch).
+        total = experiment.epochs * experiment.steps_per_epoch // config.accumulation_steps(block)
+        callbacks += [tf_vrgd.GSNRMonitor(), tf_vrgd.ScaleInvariantStop(total)]
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
     model.fit(
         train_ds,

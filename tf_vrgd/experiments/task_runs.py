@@ -343,15 +343,18 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
     if done:
         print(f"[{name}] resuming after interval {done} from {checkpoints[done]}", flush=True)
     monitor = []
+    adascale = find_adascale(model.optimizer)
+    total = experiment.intervals * experiment.interval
     measured = noise_scale_optimizer.find_noise_scale(model.optimizer) is not None
     if vr_optimizer is not None or measured:
         # A Keras step's examples: the monitor counts the accumulation.
         monitor = [tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.step_batch)]
-    elif find_adascale(model.optimizer) is not None:
+    elif adascale is not None:
         # The gain and tau in the logs; the run's updates are the base
         # schedule's length, which tau reaches first (r >= 1).
-        total = experiment.intervals * experiment.interval
         monitor = [tf_vrgd.GSNRMonitor(), tf_vrgd.ScaleInvariantStop(total)]
+    if adascale is not None and adascale.scale_invariant_steps >= total:
+        done = experiment.intervals  # it ended when tau reached the train steps
     if done < experiment.intervals:
         # One fit, an epoch per interval: one iterator reads the training
         # stream on from interval to interval (a resumed run starts it
