@@ -636,3 +636,41 @@ def test_the_update_kind_gives_embedding_tables_rows(strategy):
             expected = start - np.asarray(gradient, np.float64).mean(axis=0)
         np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-5, atol=1e-7)
     assert tables == 2
+
+
+def test_the_adascale_study_arms_read_as_vrgd_train_reads_them():
+    """Each arm's config and overrides as `vrgd-train` applies them: the
+    linear rule at S x the rate over 10 epochs, AdaScale on the base's own
+    schedule (not rescaled) for whole epochs of at least its 2340 updates."""
+    import tf_vrgd
+    from tf_vrgd import config
+    from tf_vrgd.experiments import experiment_config, fashion_mnist
+
+    study = helpers.load_script("adascale_study")
+    for scale in (8, 32):
+        arms = {}
+        for arm in ("base", "linear", "adascale", "vr_momentum"):
+            path, overrides = study.arm_overrides(arm, scale)
+            cfg = experiment_config.apply_overrides(
+                config.load(path), [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+            )
+            arms[arm] = fashion_mnist.Experiment(cfg)
+        assert arms["base"].batch_size == 256 and arms["base"].epochs == 10
+        for arm in ("linear", "adascale", "vr_momentum"):
+            assert arms[arm].batch_size == 256 * scale and not arms[arm].rescaled, arm
+        base_rate = config.learning_rate_from_config(arms["base"].block)
+        linear = config.learning_rate_from_config(arms["linear"].block)
+        # At the end of the one-epoch warm-up: S times the base's peak.
+        per_epoch = 60000 // (256 * scale)
+        assert float(linear(per_epoch)) == pytest.approx(scale * float(base_rate(234)), rel=1e-2)
+        adascale = arms["adascale"]
+        assert (
+            adascale.epochs * adascale.steps_per_epoch
+            >= 2340
+            > ((adascale.epochs - 1) * adascale.steps_per_epoch)
+        )
+        optimizer = config.optimizer_from_config(adascale.block)
+        assert isinstance(optimizer, tf_vrgd.AdaScale) and optimizer.scale == scale
+        schedule = config.learning_rate_from_config(adascale.block)
+        for step in (0, 100, 234, 1000, 2339):
+            assert float(schedule(step)) == float(base_rate(step))
