@@ -75,8 +75,9 @@ class AdaScale(InnerOptimizerWrapper):
             the samples of an update, k (the base batch is then one
             replica's micro-step).
         decay: In [0, 1), the decay d of the moving averages: ``avg = d avg +
-            (1 - d) new``, divided by ``1 - d^n`` after n updates. Defaults
-            to ``max(1 - k / 1000, 0)``, FairScale's default.
+            (1 - d) new`` (their bias correction, 1 / (1 - d^n) after n
+            updates, cancels in the gain). Defaults to ``max(1 - k / 1000,
+            0)``, FairScale's default.
         name: String. Defaults to "ada_scale", numbered like Keras'.
     """
 
