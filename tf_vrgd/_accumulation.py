@@ -24,16 +24,29 @@ The VR optimizers accumulate their own moments (`tf_vrgd._gsnr`) and do not
 use this path.
 """
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import keras
 import tensorflow as tf
 
 from tf_vrgd._keras_adapters import (
     apply_moving_average,
     build_without_keras_accumulators,
-    decay,
+    decay_weights,
     is_update_step,
     tf_variable,
 )
+
+
+class GradientCompanion(NamedTuple):
+    """What `ReplicaAccumulationMixin` calls around its collective (plain
+    functions: no reference back to a wrapper that Keras' saving would
+    walk); see its docstring."""
+
+    replica_sums: Callable
+    reduced: Callable
+    reset: Callable
 
 
 class ReplicaAccumulationMixin:
@@ -135,16 +148,7 @@ class ReplicaAccumulationMixin:
             if companion is not None:
                 rate = companion.reduced(distribution, reduced, variables, reduced_extra)
             learning_rate = self.learning_rate if rate is None else rate
-            if self.weight_decay is not None:
-                # Keras' decoupled weight decay, before the update step.
-                for variable, tf_variable in zip(variables, tf_variables):
-                    if self._use_weight_decay(variable):
-                        distribution.extended.update(
-                            tf_variable,
-                            decay,
-                            args=(self.weight_decay, learning_rate),
-                            group=False,
-                        )
+            decay_weights(self, distribution, variables, learning_rate)
             self._distributed_tf_update_step(
                 distribution, list(zip(reduced, tf_variables)), learning_rate
             )

@@ -43,6 +43,22 @@ def decay(variable, weight_decay, learning_rate):
     )
 
 
+def decay_weights(optimizer, distribution, variables, learning_rate):
+    """Cross-replica context: Keras' decoupled weight decay of `variables`
+    (Keras variables; those `_use_weight_decay` takes) at `learning_rate`,
+    on each device, before the update step."""
+    if optimizer.weight_decay is None:
+        return
+    for variable in variables:
+        if optimizer._use_weight_decay(variable):
+            distribution.extended.update(
+                tf_variable(variable),
+                decay,
+                args=(optimizer.weight_decay, learning_rate),
+                group=False,
+            )
+
+
 def apply_moving_average(optimizer, replica_context):
     """Keras' EMA step after an `apply` (once per call, micro-steps
     included, as Keras does), with the periodic overwrite of the model's

@@ -9,7 +9,8 @@ import keras
 import tensorflow as tf
 
 from tf_vrgd import schedules, validation
-from tf_vrgd._keras_adapters import Untracked, decay, tf_variable
+from tf_vrgd._accumulation import GradientCompanion
+from tf_vrgd._keras_adapters import Untracked, decay_weights, tf_variable
 from tf_vrgd._wrapper import InnerOptimizerWrapper, find_inner
 from tf_vrgd.noise_scale_optimizer import check_measurable, squared_norms
 
@@ -168,7 +169,7 @@ class AdaScale(InnerOptimizerWrapper):
         inner._backend_update_step = self._reduce_measure_and_update
         inner._apply_weight_decay = lambda variables: None
         if inner.gradient_accumulation_steps:
-            inner._gradient_companion = _Companion(
+            inner._gradient_companion = GradientCompanion(
                 self._add_micro_step_norms, self._measure_accumulated, self._reset_micro_step_norms
             )
         inner._all_reduce_measured_by = "AdaScale"
@@ -197,19 +198,17 @@ class AdaScale(InnerOptimizerWrapper):
             # scaling): sum_d |g_d|^2 / R = R * sum_d |g_d / R|^2.
             norms = (tf.reduce_sum(squared_norms(grads)), replicas * local_sum)
         tf.__internal__.distribute.interim.maybe_merge_call(
-            self._update, inner._distribution_strategy, list(zip(grads, variables)), norms
+            self._update,
+            inner._distribution_strategy,
+            list(trainable_variables),
+            list(zip(grads, variables)),
+            norms,
         )
 
-    def _update(self, distribution, grads_and_vars, norms):
+    def _update(self, distribution, keras_variables, grads_and_vars, norms):
         rate = self._measure(distribution, norms, lambda big, small: (big, small))
-        inner = self.inner_optimizer
-        if inner.weight_decay is not None:
-            for _, variable in grads_and_vars:
-                if inner._use_weight_decay(variable):
-                    distribution.extended.update(
-                        variable, decay, args=(inner.weight_decay, rate), group=False
-                    )
-        inner._distributed_tf_update_step(distribution, grads_and_vars, rate)
+        decay_weights(self.inner_optimizer, distribution, keras_variables, rate)
+        self.inner_optimizer._distributed_tf_update_step(distribution, grads_and_vars, rate)
 
     def _measure(self, distribution, args, norms_of):
         """Cross-replica context, once per applied update, on each device:
@@ -282,14 +281,6 @@ class _State(NamedTuple):
     scale_invariant_steps: object
     variance_average: object
     squared_norm_average: object
-
-
-class _Companion(NamedTuple):
-    """What `ReplicaAccumulationMixin` calls around its collective."""
-
-    replica_sums: object
-    reduced: object
-    reset: object
 
 
 def _gain(state, norms, samples, scale, keep):

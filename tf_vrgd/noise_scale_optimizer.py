@@ -2,14 +2,12 @@
 training, at the cost of one number per variable in the collective the
 optimizer runs anyway (the estimators: `tf_vrgd.noise_scale`)."""
 
-from typing import NamedTuple
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_vrgd import functional, validation
-from tf_vrgd._accumulation import ReplicaAccumulationMixin
+from tf_vrgd._accumulation import GradientCompanion, ReplicaAccumulationMixin
 from tf_vrgd._cadence import Cadence
 from tf_vrgd._gsnr import GSNRMixin
 from tf_vrgd._keras_adapters import Untracked
@@ -124,7 +122,7 @@ class NoiseScale(InnerOptimizerWrapper):
 
         inner._all_reduce_sum_gradients = all_reduce_sum_gradients
         if inner.gradient_accumulation_steps:
-            inner._gradient_companion = _Companion(
+            inner._gradient_companion = GradientCompanion(
                 self._micro_step_norms, self._record_accumulated, self._reset_micro_step_norms
             )
         # A flag, not a reference back: Keras' saving walks the attributes
@@ -272,16 +270,6 @@ def check_measurable(optimizer, wrapper):
             f"`optimizer` is already wrapped by a {measured_by}, which rewrote its "
             f"all-reduce. Received: optimizer={optimizer!r}"
         )
-
-
-class _Companion(NamedTuple):
-    """What `ReplicaAccumulationMixin` calls around its collective (plain
-    functions: no reference back to the wrapper that Keras' saving would
-    walk)."""
-
-    replica_sums: object
-    reduced: object
-    reset: object
 
 
 def squared_norms(gradients):
