@@ -90,6 +90,8 @@ class Experiment:
                 f"Batch {self.batch_size} exceeds the {self.train_examples} training examples."
             )
         total = self.epochs * self.steps_per_epoch // accumulation
+        #: The updates the run plans (an AdaScale run ends when tau reaches them).
+        self.total_updates = total
         step_factor = total / config_steps
         lr_factor = math.sqrt(self.batch_size / config_batch)
         self.rescaled = abs(step_factor - 1) > 1e-9 or abs(lr_factor - 1) > 1e-9
@@ -175,15 +177,13 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
     return EpochEnd()
 
 
-def _reached_its_steps(model, experiment, block):
+def _reached_its_steps(model, experiment):
     """Whether an AdaScale run's tau has reached its planned updates: it
     ended there (`ScaleInvariantStop`), and a resume has nothing to add."""
-    from tf_vrgd import config
     from tf_vrgd.adascale import find_adascale
 
     adascale = find_adascale(model.optimizer)
-    total = experiment.epochs * experiment.steps_per_epoch // config.accumulation_steps(block)
-    return adascale is not None and adascale.scale_invariant_steps >= total
+    return adascale is not None and adascale.scale_invariant_steps >= experiment.total_updates
 
 
 def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
@@ -220,7 +220,7 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
                 optimizer=config.optimizer_from_config(block), loss=loss, metrics=["accuracy"]
             )
     records = read_records(os.path.join(run_dir, "metrics.jsonl"), initial_epoch)
-    if initial_epoch >= experiment.epochs or _reached_its_steps(model, experiment, block):
+    if initial_epoch >= experiment.epochs or _reached_its_steps(model, experiment):
         return records
     if initial_epoch:
         print(
@@ -273,8 +273,8 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
         # The gain and tau in the records; the run ends when tau reaches
         # its planned updates, the base schedule's length (r >= 1: before
         # the last epoch).
-        total = experiment.epochs * experiment.steps_per_epoch // config.accumulation_steps(block)
-        callbacks += [tf_vrgd.GSNRMonitor(), tf_vrgd.ScaleInvariantStop(total)]
+        stop = tf_vrgd.ScaleInvariantStop(experiment.total_updates)
+        callbacks += [tf_vrgd.GSNRMonitor(), stop]
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
     model.fit(
         train_ds,

@@ -116,12 +116,15 @@ class KerasOptimizerFace(tf_keras.optimizers.legacy.Optimizer):
     def _current_learning_rate(self):
         rate = self.learning_rate_argument
         if isinstance(rate, tf_keras.optimizers.schedules.LearningRateSchedule):
-            # The update count (Keras 3's `iterations` counts updates under
-            # accumulation too, as Model Garden's schedules do), as int64,
-            # the type tf_keras' own optimizers pass.
-            step = tf.cast(self._keras_optimizer.iterations, tf.int64)
-            return tf.cast(rate(step), tf.float32)
+            return tf.cast(rate(self._schedule_step()), tf.float32)
         return tf.cast(rate, tf.float32)
+
+    def _schedule_step(self):
+        """The step a tf_keras schedule is read at: the update count (Keras
+        3's `iterations` counts updates under accumulation too, as Model
+        Garden's schedules do), as int64, the type tf_keras' own optimizers
+        pass."""
+        return tf.cast(self._keras_optimizer.iterations, tf.int64)
 
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
         """Applies each replica's gradients with the twin, in replica

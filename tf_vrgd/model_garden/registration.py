@@ -205,12 +205,9 @@ class ModelGardenAdaScale(_ModelGardenWrapper):
     kind = "adascale"
     own_fields = ("decay",)  # the moving averages', not tf_keras' rate decay
 
-    def _current_learning_rate(self):
-        rate = self.learning_rate_argument
-        if isinstance(rate, tf_keras.optimizers.schedules.LearningRateSchedule):
-            tau = self._keras_optimizer.scale_invariant_steps_variable
-            return tf.cast(rate(tf.cast(tf.floor(tau), tf.int64)), tf.float32)
-        return tf.cast(rate, tf.float32)
+    def _schedule_step(self):
+        tau = self._keras_optimizer.scale_invariant_steps_variable
+        return tf.cast(tf.floor(tau), tf.int64)
 
 
 FACTORY_CLASSES["larc"] = ModelGardenLARC
