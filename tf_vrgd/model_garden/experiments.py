@@ -21,6 +21,9 @@ from tf_vrgd.model_garden.registration import OptimizationConfig
 
 @dataclasses.dataclass
 class RegressionModel(base_config.Config):
+    """The MLP: `num_layers` ReLU layers of `hidden_size` units on
+    `input_size` inputs, then one output; `seed` seeds its initialisers."""
+
     input_size: int = 16
     hidden_size: int = 32
     num_layers: int = 2
@@ -29,8 +32,11 @@ class RegressionModel(base_config.Config):
 
 @dataclasses.dataclass
 class RegressionData(config_definitions.DataConfig):
+    """The fixed data set: `examples` inputs x drawn from `seed`, read in
+    order and repeated, and their targets x . w* plus Gaussian `noise` (w*
+    the same for every data set)."""
+
     global_batch_size: int = 64
-    # The examples of the fixed data set, read in order and repeated.
     examples: int = 1024
     seed: int = 0
     noise: float = 0.1
