@@ -331,3 +331,41 @@ def test_larc_wraps_a_vr_optimizer(strategy):
     for samples in helpers.samples_per_update(stream, 1):
         expected = reference.update(samples)
     ref.assert_all_close(got, expected, "LARC(VR-Momentum) (4 replicas)", rtol=1e-4, start=initial)
+
+
+def test_the_layer_means_go_masked_first_after_an_unmeasured_element(strategy):
+    # Element (3, 4) of the large (XLA) variable has no sample at updates 2,
+    # 3 and 5 (zero on every replica: s = 0). After such an update the next
+    # one takes the masked means first, and after a fully measured one the
+    # element sums; every update still matches the reference, whichever
+    # program ran first.
+    shapes = [(150, 120), (7, 5)]
+    stream = helpers.gradient_stream(shapes, steps=5, replicas=4, scales=[2.0, 0.3], seed=23)
+    unmeasured = [False, True, True, False, True]
+    for step, zero in zip(stream, unmeasured):
+        for replica in step:
+            if zero:
+                replica[0][3, 4] = 0.0
+    rng = np.random.default_rng(5)
+    initial = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    with strategy.scope():
+        variables = [keras.Variable(w) for w in initial]
+        optimizer = tf_vrgd.VRAdam(0.01)
+    reference = ref.VRReference(initial, ref.adam(0.01), 0.1, 0.9)
+    hints = []
+    for step, update in zip(stream, helpers.samples_per_update(stream, 1)):
+        before = [v.numpy() for v in variables]
+        helpers.apply_stream_mirrored(strategy, optimizer, variables, [step])
+        hints.append(float(optimizer._device.masked_hint.numpy()))
+        expected = reference.update(update)
+        for i, variable in enumerate(variables):
+            ref.assert_close(
+                variable.numpy(),
+                expected[i],
+                f"VR-Adam, unmeasured elements, variable {i}",
+                rtol=3e-4,
+                start=before[i],
+            )
+            # Compared step by step: from the reference's own weights too.
+            variable.assign(expected[i].astype(np.float32))
+    assert hints == [float(zero) for zero in unmeasured]

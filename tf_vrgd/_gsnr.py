@@ -170,6 +170,7 @@ class GSNRMixin:
             jit=self.jit_update,
             keep_scale=self.gsnr_interval > 1 and self.beta_3 == 0,
             track_statistics=self.track_gsnr_statistics,
+            make_hint=self._untracked_scalar,
         )
         self._intake = ReplicaIntake(
             make_slots, cadence, self.gradient_accumulation_steps, self.jit_update, self._scalar
@@ -187,6 +188,14 @@ class GSNRMixin:
         self._track_variable(variable)
         self._track_trackable(variable, name="_accumulated_samples")
         return variable
+
+    def _untracked_scalar(self, name):
+        """A float32 scalar of the device programs kept out of `variables`
+        and checkpoints (`DevicePrograms.masked_hint`)."""
+        with keras.name_scope(self.name, caller=self):
+            return keras.Variable(
+                initializer="zeros", shape=(), dtype="float32", trainable=False, name=name
+            )
 
     def _float32_slots(self, var_list, name, shape=None, track=True, initializer="zeros", **kwargs):
         """One float32 variable per variable of `var_list` (GSNR statistics
@@ -237,10 +246,10 @@ class GSNRMixin:
 
     def _program_variables(self):
         """The tf.Variables a device program may touch: the model's
-        trainable ones, the optimizer's (slots, counters) and the GSNR
-        statistics."""
-        statistics = [slot for slot in self._device.state.statistics if slot is not None]
-        return [tf_variable(v) for v in [*self._trainable_variables, *self.variables, *statistics]]
+        trainable ones, the optimizer's (slots, counters) and the device
+        programs' own (the GSNR statistics, the hint)."""
+        untracked = self._device.untracked_variables
+        return [tf_variable(v) for v in [*self._trainable_variables, *self.variables, *untracked]]
 
     # -- replica context ------------------------------------------------------
 

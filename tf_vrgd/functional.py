@@ -35,9 +35,11 @@ from tf_vrgd._functional_moments import Scalar as Scalar
 from tf_vrgd._functional_moments import TensorLike as TensorLike
 from tf_vrgd._functional_moments import gradient_moments as gradient_moments
 from tf_vrgd._functional_moments import gsnr_element_sums as gsnr_element_sums
+from tf_vrgd._functional_moments import masked_gsnr_totals as masked_gsnr_totals
 from tf_vrgd._functional_moments import masked_mean_gsnrs as masked_mean_gsnrs
 from tf_vrgd._functional_moments import mean_gsnrs_of_element_sums as mean_gsnrs_of_element_sums
 from tf_vrgd._functional_moments import mean_where_measured as mean_where_measured
+from tf_vrgd._functional_moments import measured_count as measured_count
 from tf_vrgd._functional_moments import measured_elements as measured_elements
 from tf_vrgd._functional_moments import measured_mean_gsnr as measured_mean_gsnr
 from tf_vrgd._functional_moments import measured_mean_gsnrs as measured_mean_gsnrs
