@@ -86,8 +86,8 @@ def test_interval_with_accumulation_on_one_device(case):
 
 def test_squares_are_reduced_at_gsnr_updates_only(strategy, monkeypatch):
     """The collective's tensors per update: gradients and squares at GSNR
-    updates, gradients alone between them, each in a pack of its own on
-    the CPUs of one process."""
+    updates, gradients alone between them, in packs that close past 1 MiB
+    on the CPUs of one process."""
     reduced, packs = [], []
     extended = type(strategy.extended)
     original = extended.batch_reduce_to
@@ -104,7 +104,7 @@ def test_squares_are_reduced_at_gsnr_updates_only(strategy, monkeypatch):
     # branch (the two kernels, the two biases as one flat message, and the
     # squares of each), 3 for the other.
     assert sorted(set(reduced)) == [3, 6]
-    assert set(packs) == {1}
+    assert set(packs) == {1 << 20}
 
 
 @pytest.mark.parametrize("beta_3", [0.0, 0.9])

@@ -315,20 +315,31 @@ class DevicePrograms:
         return row_update
 
 
+# On the CPUs of one process, the collective's packs close once they pass
+# this size (`_communication`).
+PACK_BYTES = 1 << 20
+
+
 def _communication(distribution):
-    """How the collective packs the messages: one pack per message where
-    every device is a CPU of this process, one pack for all elsewhere
+    """How the collective packs the messages: on the CPUs of one process,
+    in packs that close once they pass `PACK_BYTES`, so that a message of
+    that size or more mostly travels alone; elsewhere in one pack for all
     (TensorFlow's default, as for Keras' gradients).
 
     On CPU a pack of many messages is a concatenation and a split of all of
     them, copies as large as the messages, and starts only once the last
-    message is made; one message per pack copies nothing and starts with
-    the first (ResNet-50, 2 CPU replicas: the VR training step 0.86-0.89
-    of one pack's, docs/RESULTS.md). On GPUs NCCL launches each pack in
-    turn, and over the network each pack pays a round trip: neither is
-    measured here, so both keep one pack."""
+    message is made; a pack of one message copies nothing and starts as
+    soon as it exists (ResNet-50, 2 CPU replicas: the VR training step
+    0.86-0.89 of one pack's, docs/RESULTS.md). But each pack is a
+    collective of its own, set up at its first run: a pack per message made
+    a file of short fits of small models 7% longer, which the size bound
+    takes back (their messages share one pack). On GPUs NCCL launches each
+    pack in turn, and over the network each pack pays a round trip:
+    neither is measured here, so both keep one pack."""
     local_cpus = isinstance(distribution, tf.distribute.MirroredStrategy) and all(
         tf.DeviceSpec.from_string(device).device_type == "CPU"
         for device in distribution.extended.worker_devices
     )
-    return tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1 if local_cpus else 0)
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=PACK_BYTES if local_cpus else 0
+    )
