@@ -80,10 +80,12 @@ class DevicePrograms:
         SUM of `layout`'s messages, then on each device, in its update
         context (`update_non_slot`), that device's program."""
 
+        options = _communication(distribution)
+
         def update(measure):
             values = layout.collective(sums, squares, samples, measure)
             reduced = distribution.extended.batch_reduce_to(
-                tf.distribute.ReduceOp.SUM, values, options=_communication(distribution)
+                tf.distribute.ReduceOp.SUM, values, options=options
             )
             devices = [tf_variable(v) for v in layout.variables]
             distribution.extended.update_non_slot(
