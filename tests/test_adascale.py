@@ -273,10 +273,3 @@ def test_bad_arguments_are_refused_by_name(said):
         tf_vrgd.AdaScale(inner(), **arguments)
     with pytest.raises(ValueError, match="steps"):
         tf_vrgd.ScaleInvariantStop(0)
-
-
-def test_an_optimizer_is_measured_once():
-    inner = keras.optimizers.SGD()
-    tf_vrgd.NoiseScale(inner)
-    with pytest.raises(ValueError, match="already wrapped by a NoiseScale"):
-        tf_vrgd.AdaScale(inner)

@@ -152,10 +152,3 @@ def test_larc_exposes_the_inner_optimizer_state():
 def test_bad_arguments_raise(make, argument):
     with pytest.raises(ValueError, match=f"`{argument}`.*Received: {argument}="):
         make()
-
-
-def test_an_optimizer_cannot_be_wrapped_twice():
-    inner = keras.optimizers.SGD()
-    tf_vrgd.LARC(inner)
-    with pytest.raises(ValueError, match="already wrapped"):
-        tf_vrgd.LARC(inner)

@@ -84,11 +84,27 @@ def test_bad_arguments_are_refused_by_name(make, said):
         make()
 
 
-def test_an_optimizer_is_wrapped_once_and_the_monitor_needs_a_batch_size():
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("NoiseScale", "NoiseScale"),
+        ("NoiseScale", "AdaScale"),
+        ("AdaScale", "NoiseScale"),
+        ("AdaScale", "AdaScale"),
+        ("LARC", "LARC"),
+    ],
+)
+def test_an_optimizer_is_wrapped_once(first, second):
+    """A wrapper that rewrites its optimizer's all-reduce (or, for LARC,
+    its per-variable update) refuses an optimizer another already holds,
+    naming that one."""
     inner = keras.optimizers.SGD()
-    tf_vrgd.NoiseScale(inner)
-    with pytest.raises(ValueError, match="already wrapped"):
-        tf_vrgd.NoiseScale(inner)
+    getattr(tf_vrgd, first)(inner)
+    with pytest.raises(ValueError, match=f"already wrapped by (a|another) {first}"):
+        getattr(tf_vrgd, second)(inner)
+
+
+def test_the_monitor_needs_a_batch_size():
     model = helpers.make_model()
     model.compile(optimizer=tf_vrgd.NoiseScale(keras.optimizers.SGD()), loss="mse")
     x = np.zeros((8, *model.input_shape[1:]), np.float32)

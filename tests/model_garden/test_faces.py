@@ -35,28 +35,46 @@ def _initial():
     ]
 
 
-def _run_face(strategy, name, stream, arguments=None):
+def _run(strategy, make, stream):
+    """The tf_keras optimizer `make()` from `_initial()` over `stream`: the
+    final weights and the optimizer."""
     with strategy.scope():
         variables = [tf.Variable(w) for w in _initial()]
-        face = optimizers.FACES[name](**(arguments or ARGUMENTS[name]))
-    helpers.apply_gradients_mirrored(strategy, face, variables, stream)
-    return [v.numpy() for v in variables], face
+        optimizer = make()
+    helpers.apply_gradients_mirrored(strategy, optimizer, variables, stream)
+    return [v.numpy() for v in variables], optimizer
+
+
+def _run_face(strategy, name, stream, arguments=None):
+    return _run(strategy, lambda: optimizers.FACES[name](**(arguments or ARGUMENTS[name])), stream)
+
+
+def _run_twin(strategy, make, stream):
+    """The Keras 3 optimizer `make()` from the same start over the same
+    stream: its final weights."""
+    with strategy.scope():
+        variables = [keras.Variable(w) for w in _initial()]
+        twin = make()
+    helpers.apply_stream_mirrored(strategy, twin, variables, stream)
+    return [v.numpy() for v in variables]
+
+
+def _assert_face_updates_as_twin(strategy, name, arguments, steps):
+    """The face `name` and its Keras 3 twin, both built with `arguments`,
+    over the same `steps` calls on 4 replicas end at the same weights; the
+    face is returned."""
+    stream = helpers.gradient_stream(SHAPES, steps=steps, replicas=4, scales=[1, 0.1, 2, 0.5])
+    got, face = _run_face(strategy, name, stream, arguments)
+    expected = _run_twin(strategy, lambda: getattr(tf_vrgd, name)(**arguments), stream)
+    ref.assert_all_close(
+        got, expected, f"{name} tf_keras face vs Keras 3 twin {arguments}", start=_initial()
+    )
+    return face
 
 
 @pytest.mark.parametrize("name", ARGUMENTS)
 def test_each_face_updates_as_its_keras_3_twin(strategy, name):
-    stream = helpers.gradient_stream(SHAPES, steps=4, replicas=4, scales=[1, 0.1, 2, 0.5])
-    got, face = _run_face(strategy, name, stream)
-    with strategy.scope():
-        variables = [keras.Variable(w) for w in _initial()]
-        twin = getattr(tf_vrgd, name)(**ARGUMENTS[name])
-    helpers.apply_stream_mirrored(strategy, twin, variables, stream)
-    ref.assert_all_close(
-        got,
-        [e.numpy() for e in variables],
-        f"{name} tf_keras face vs Keras 3 twin, 4 replicas",
-        start=_initial(),
-    )
+    face = _assert_face_updates_as_twin(strategy, name, ARGUMENTS[name], steps=4)
     assert int(face.iterations.numpy()) == 4
 
 
@@ -164,17 +182,15 @@ def _larc_face():
 
 def test_the_larc_face_updates_as_its_keras_3_twin(strategy):
     stream = helpers.gradient_stream(SHAPES, steps=4, replicas=4, scales=[1, 0.1, 2, 0.5])
-    with strategy.scope():
-        variables = [tf.Variable(w) for w in _initial()]
-        face = _larc_face()
-    helpers.apply_gradients_mirrored(strategy, face, variables, stream)
-    with strategy.scope():
-        twin_variables = [keras.Variable(w) for w in _initial()]
-        twin = tf_vrgd.LARC(tf_vrgd.VRSGD(0.5, momentum=0.9), trust_coefficient=0.05)
-    helpers.apply_stream_mirrored(strategy, twin, twin_variables, stream)
+    got, face = _run(strategy, _larc_face, stream)
+    expected = _run_twin(
+        strategy,
+        lambda: tf_vrgd.LARC(tf_vrgd.VRSGD(0.5, momentum=0.9), trust_coefficient=0.05),
+        stream,
+    )
     ref.assert_all_close(
-        [g.numpy() for g in variables],
-        [e.numpy() for e in twin_variables],
+        got,
+        expected,
         "LARC(VRSGD) tf_keras face vs Keras 3 twin",
         start=_initial(),
     )
@@ -246,18 +262,7 @@ def test_a_face_with_accumulation_updates_as_its_twin(strategy, name):
     Garden's step is a micro-step; the twin accumulates and updates every
     second call."""
     arguments = {**ARGUMENTS[name], "gradient_accumulation_steps": 2}
-    stream = helpers.gradient_stream(SHAPES, steps=6, replicas=4, scales=[1, 0.1, 2, 0.5])
-    got, face = _run_face(strategy, name, stream, arguments)
-    with strategy.scope():
-        variables = [keras.Variable(w) for w in _initial()]
-        twin = getattr(tf_vrgd, name)(**arguments)
-    helpers.apply_stream_mirrored(strategy, twin, variables, stream)
-    ref.assert_all_close(
-        got,
-        [e.numpy() for e in variables],
-        f"{name} face vs twin, 4 replicas x 2 micro-steps",
-        start=_initial(),
-    )
+    face = _assert_face_updates_as_twin(strategy, name, arguments, steps=6)
     assert int(face.iterations.numpy()) == 3
 
 
@@ -273,17 +278,14 @@ def test_larc_around_a_tf_keras_optimizer_matches_the_numpy_reference(strategy):
     """LARC around tf_keras' own SGD with momentum: the rule on the mean of
     the 4 replicas' gradients, then momentum SGD, as numpy computes it."""
     stream = helpers.gradient_stream(SHAPES, steps=4, replicas=4, scales=[1, 0.1, 2, 0.5])
-    with strategy.scope():
-        variables = [tf.Variable(w) for w in _initial()]
-        wrapped = _tf_keras_larc()
+    got, wrapped = _run(strategy, _tf_keras_larc, stream)
     assert isinstance(wrapped, optimizers.LARC) and isinstance(wrapped, optimizers.TFKerasLARC)
-    helpers.apply_gradients_mirrored(strategy, wrapped, variables, stream)
     means = [[np.mean([r[i] for r in step], axis=0) for i in range(len(SHAPES))] for step in stream]
     expected = ref.run_larc_sgd(
         _initial(), means, 0.5, momentum=0.9, trust_coefficient=0.05, weight_decay=0.01
     )
     ref.assert_all_close(
-        [g.numpy() for g in variables],
+        got,
         expected,
         "LARC(tf_keras SGD) vs numpy reference",
         rtol=1e-5,
@@ -294,17 +296,17 @@ def test_larc_around_a_tf_keras_optimizer_matches_the_numpy_reference(strategy):
 
 def test_larc_around_tf_keras_adam_updates_as_keras_3_larc_around_adam(strategy):
     stream = helpers.gradient_stream(SHAPES, steps=4, replicas=4, scales=[1, 0.1, 2, 0.5])
-    with strategy.scope():
-        variables = [tf.Variable(w) for w in _initial()]
-        wrapped = _tf_keras_larc("Adam")
-    helpers.apply_gradients_mirrored(strategy, wrapped, variables, stream)
-    with strategy.scope():
-        twin_variables = [keras.Variable(w) for w in _initial()]
-        twin = tf_vrgd.LARC(keras.optimizers.Adam(0.05), trust_coefficient=0.05, weight_decay=0.01)
-    helpers.apply_stream_mirrored(strategy, twin, twin_variables, stream)
+    got, _ = _run(strategy, lambda: _tf_keras_larc("Adam"), stream)
+    expected = _run_twin(
+        strategy,
+        lambda: tf_vrgd.LARC(
+            keras.optimizers.Adam(0.05), trust_coefficient=0.05, weight_decay=0.01
+        ),
+        stream,
+    )
     ref.assert_all_close(
-        [g.numpy() for g in variables],
-        [e.numpy() for e in twin_variables],
+        got,
+        expected,
         "LARC(tf_keras Adam) vs Keras 3 LARC(Adam)",
         start=_initial(),
     )
@@ -380,12 +382,13 @@ def test_larc_around_tf_keras_sgd_clips_the_reduced_gradient_before_larc(strateg
     """tf_keras clips the cross-replica sum (Keras 3 clips each replica's
     part before the sum): LARC then sees the clipped mean gradient."""
     stream = helpers.gradient_stream(SHAPES, steps=3, replicas=4, scales=[1, 0.1, 2, 0.5])
-    with strategy.scope():
-        variables = [tf.Variable(w) for w in _initial()]
-        wrapped = optimizers.LARC(
+    got, _ = _run(
+        strategy,
+        lambda: optimizers.LARC(
             tf_keras.optimizers.legacy.SGD(0.5, momentum=0.9, clipnorm=0.3), trust_coefficient=0.05
-        )
-    helpers.apply_gradients_mirrored(strategy, wrapped, variables, stream)
+        ),
+        stream,
+    )
     clipped = []
     for step in stream:
         means = [np.mean([r[i] for r in step], axis=0).astype(np.float64) for i in range(4)]
@@ -393,7 +396,7 @@ def test_larc_around_tf_keras_sgd_clips_the_reduced_gradient_before_larc(strateg
     assert any(np.linalg.norm(g) > 0.3 for step in stream for g in step[0])
     expected = ref.run_larc_sgd(_initial(), clipped, 0.5, momentum=0.9, trust_coefficient=0.05)
     ref.assert_all_close(
-        [g.numpy() for g in variables],
+        got,
         expected,
         "LARC(tf_keras SGD, clipnorm) vs numpy",
         rtol=1e-5,
