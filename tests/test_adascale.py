@@ -76,6 +76,9 @@ def test_gain_tau_and_updates_match_numpy(strategy, name):
     last_gain, last_tau = gains[-1]
     np.testing.assert_allclose(optimizer.gain, last_gain, rtol=2e-5)
     np.testing.assert_allclose(optimizer.scale_invariant_steps, last_tau + last_gain, rtol=2e-5)
+    np.testing.assert_allclose(
+        optimizer.applied_learning_rate, last_gain * base_rate(int(np.floor(last_tau))), rtol=2e-5
+    )
     expected = ref.adascale_weights(initial, updates, gains, rule_at, base_rate)
     # float32 weights of norm ~3 under updates ~1e-3: rounding alone is ~2e-4.
     ref.assert_all_close(got, expected, f"AdaScale {name}", rtol=6e-4, start=initial)

@@ -416,6 +416,10 @@ def test_an_adascale_run_ends_when_tau_reaches_its_updates_and_stays_ended(fashi
     inner = {"type": "sgd", "sgd": {}}
     block = {"type": "adascale", "adascale": {"scale": 4, "optimizer": inner}}
     command += ["--override", f"trainer.optimizer_config.optimizer={json.dumps(block)}"]
+    # A constant base rate: the recorded rate is then the gain times it.
+    constant = {"type": "constant", "constant": {"learning_rate": 0.05}}
+    command += ["--override", f"trainer.optimizer_config.learning_rate={json.dumps(constant)}"]
+    command += ["--override", "trainer.optimizer_config.warmup={}"]
     done = _run_to_end(command)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (run_dir,) = [p for p in (tmp_path / "out").iterdir() if (p / "metrics.jsonl").exists()]
@@ -423,6 +427,11 @@ def test_an_adascale_run_ends_when_tau_reaches_its_updates_and_stays_ended(fashi
     last = records[-1]
     assert last["scale_invariant_steps"] >= 32 > last["updates"]
     assert len(records) < 8 and 1.0 < last["adascale_gain"] <= 4.0
+    # The rate applied at the epoch's last update, not the base rate (0.05
+    # scaled by sqrt(16 / 256) for the batch).
+    for record in records:
+        expected = 0.05 * (16 / 256) ** 0.5 * record["adascale_gain"]
+        assert record["learning_rate"] == pytest.approx(expected, rel=1e-6)
     again = _run_to_end(command)
     assert again.returncode == 0, again.stderr[-2000:]
     assert run_folder.read_records(str(run_dir / "metrics.jsonl"), 8) == records

@@ -146,6 +146,14 @@ class AdaScale(InnerOptimizerWrapper):
         return 1.0 if self._state is None else float(self._state[0].numpy())
 
     @property
+    def applied_learning_rate(self) -> float:
+        """The rate the last update applied, ``r * lr(floor(tau))`` with tau
+        before it (the inner optimizer's `learning_rate` is its base rate,
+        read at its update count). 0.0 before this process' first update:
+        it is derived from the state, not saved with it."""
+        return 0.0 if self._state is None else float(self._rate.value.numpy())
+
+    @property
     def scale_invariant_steps(self) -> float:
         """tau: the base-batch steps the updates so far are worth."""
         return 0.0 if self._state is None else float(self._state[1].numpy())

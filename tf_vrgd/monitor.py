@@ -42,8 +42,9 @@ class GSNRMonitor(keras.callbacks.Callback):
     Around a `tf_vrgd.NoiseScale`, only ``noise_scale`` (and per variable)
     is logged, from the squared norms that wrapper sums (`batch_size` is
     then required); its samples are the replicas. Around a
-    `tf_vrgd.AdaScale`, ``adascale_gain`` and ``scale_invariant_steps`` are
-    logged: the gain of the last update and tau after it.
+    `tf_vrgd.AdaScale`, ``adascale_gain``, ``adascale_learning_rate`` and
+    ``scale_invariant_steps`` are logged: the gain of the last update, the
+    rate it applied and tau after it.
 
     List it before `keras.callbacks.TensorBoard` (callbacks see `logs` in list
     order); TensorBoard then writes ``epoch_gsnr_mean`` and the rest.
@@ -171,6 +172,7 @@ class GSNRMonitor(keras.callbacks.Callback):
         if self._read is None:  # AdaScale
             if logs is not None:
                 logs["adascale_gain"] = self._optimizer.gain
+                logs["adascale_learning_rate"] = self._optimizer.applied_learning_rate
                 logs["scale_invariant_steps"] = self._optimizer.scale_invariant_steps
             return
         sums = self._read()

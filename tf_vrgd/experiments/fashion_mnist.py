@@ -9,6 +9,7 @@ import time
 from tf_vrgd.experiments.experiment_config import lookup, rescale_schedule, runs_of
 from tf_vrgd.experiments.run_folder import (
     gsnr_entries,
+    learning_rate,
     read_records,
     remove_partial_checkpoints,
     resumable_checkpoints,
@@ -162,7 +163,7 @@ def _epoch_callback(model, vr_optimizer, run_dir, records, evaluate):
                 "generalization_gap": train[1] - test[1],
                 "loss_gap": test[0] - train[0],
                 "running_train_loss": float(logs.get("loss", float("nan"))),
-                "learning_rate": float(model.optimizer.learning_rate.numpy()),
+                "learning_rate": learning_rate(model.optimizer),
                 "seconds": seconds,
             }
             measured = ("gsnr", "noise_scale", "adascale", "scale_invariant")

@@ -122,6 +122,18 @@ def save_checkpoint(model, run_dir, epochs_done, keep=1):
             os.remove(old)
 
 
+def learning_rate(optimizer):
+    """The record's `learning_rate`: an `AdaScale`'s rate applied at the last
+    update (its gain times the base rate at tau), otherwise the optimizer's
+    rate at its update count."""
+    from tf_vrgd.adascale import find_adascale
+
+    adascale = find_adascale(optimizer)
+    if adascale is not None:
+        return adascale.applied_learning_rate
+    return float(optimizer.learning_rate.numpy())
+
+
 def gsnr_entries(model, vr_optimizer):
     """`{"<log key>/<variable path>": value}` of the VR optimizer's GSNR
     statistics since the epoch began (GSNRMonitor resets them at epoch

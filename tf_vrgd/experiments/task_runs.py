@@ -276,7 +276,7 @@ def _interval_callback(experiment, strategy, model, vr_optimizer, run_dir, recor
                 "seconds": seconds,
                 "examples_per_second": examples / seconds,
                 "examples_per_second_per_replica": examples / seconds / experiment.replicas,
-                "learning_rate": float(model.optimizer.learning_rate.numpy()),
+                "learning_rate": run_folder.learning_rate(model.optimizer),
                 # Tracing and compilation fall in a process's first interval.
                 "includes_startup": epoch == first,
             }
