@@ -230,11 +230,17 @@ def test_scale_invariant_stop_ends_fit_at_the_base_schedule_length(strategy):
     assert updates < 20 < 2048 // 64
 
 
-def test_the_monitor_logs_the_gain_and_tau(strategy):
+def test_the_monitor_logs_the_gain_the_applied_rate_and_tau(strategy):
     x, y = _fit_data()
     model = _classifier(strategy)
     history = model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[tf_vrgd.GSNRMonitor()])
-    assert history.history["adascale_gain"][-1] == pytest.approx(model.optimizer.gain)
+    gain = model.optimizer.gain
+    assert history.history["adascale_gain"][-1] == pytest.approx(gain)
+    # The last update's rate: the gain times the schedule at tau before it.
+    tau = model.optimizer.scale_invariant_steps - gain
+    assert history.history["adascale_learning_rate"][-1] == pytest.approx(
+        gain * _numpy_rate(int(np.floor(tau))), rel=1e-6
+    )
     assert history.history["scale_invariant_steps"][-1] == pytest.approx(
         model.optimizer.scale_invariant_steps
     )
