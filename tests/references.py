@@ -385,6 +385,20 @@ def adascale_gains(updates, scale=None, decay=0.0):
     return out
 
 
+def adascale_noise_scale(updates, update_examples, decay=0.0):
+    """B_simple in examples from AdaScale's moving averages after `updates`:
+    ``B (|G_small|^2 - |G_big|^2) / (k |G_big|^2 - |G_small|^2)`` with each
+    term averaged (decay `decay`); it does not depend on S."""
+    k = len(updates[0][0])
+    averages = np.zeros(2)
+    for samples in updates:
+        flat = [np.asarray(s, np.float64).reshape(k, -1) for s in samples]
+        big = sum(np.sum(f.mean(0) ** 2) for f in flat)
+        small = sum(np.mean(np.sum(f**2, 1)) for f in flat)
+        averages = decay * averages + (1 - decay) * np.array([small - big, k * big - small])
+    return update_examples * averages[0] / averages[1]
+
+
 def adascale_weights(initial, updates, gains, rule_at, base_rate):
     """The weights after applying, at each update, `rule_at(rate)` (a
     `Rule`) to the mean of its samples, with rate = r * lr(floor(tau)):

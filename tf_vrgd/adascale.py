@@ -12,6 +12,7 @@ from tf_vrgd import schedules, validation
 from tf_vrgd._accumulation import GradientCompanion
 from tf_vrgd._keras_adapters import Untracked, decay_weights, tf_variable
 from tf_vrgd._wrapper import InnerOptimizerWrapper, find_inner
+from tf_vrgd.noise_scale import ratio
 from tf_vrgd.noise_scale_optimizer import check_measurable, squared_norms
 
 # AdaScale's state, in `variables` after the inner optimizer's: the gain
@@ -152,6 +153,28 @@ class AdaScale(InnerOptimizerWrapper):
         read at its update count). 0.0 before this process' first update:
         it is derived from the state, not saved with it."""
         return 0.0 if self._state is None else float(self._rate.value.numpy())
+
+    def noise_scale(self, update_examples: int) -> float:
+        """The gradient noise scale B_simple = tr(Sigma) / |G|^2, in examples,
+        from the two moving averages: ``(update_examples / S) * sigma^2 /
+        mu^2`` (sigma^2 is a base batch's variance, and the base batch is
+        the update's examples over S). NaN until the averaged mu^2 is
+        positive.
+
+        Args:
+            update_examples: The examples of one update (all replicas and
+                micro-steps).
+        """
+        update_examples = validation.check_integer("update_examples", update_examples, low=1)
+        if self._state is None:
+            return float("nan")
+        state = _State(*self._state[: len(STATE)])
+        variance, squared_norm = (
+            float(v.numpy()) for v in (state.variance_average, state.squared_norm_average)
+        )
+        samples = self._samples(self.inner_optimizer._distribution_strategy)
+        base_batch = update_examples / float(self.scale or samples)
+        return float(ratio(base_batch * variance, squared_norm))
 
     @property
     def scale_invariant_steps(self) -> float:

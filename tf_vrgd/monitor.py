@@ -44,7 +44,9 @@ class GSNRMonitor(keras.callbacks.Callback):
     then required); its samples are the replicas. Around a
     `tf_vrgd.AdaScale`, ``adascale_gain``, ``adascale_learning_rate`` and
     ``scale_invariant_steps`` are logged: the gain of the last update, the
-    rate it applied and tau after it.
+    rate it applied and tau after it; given `batch_size`, ``noise_scale``
+    too, from AdaScale's own moving averages (`AdaScale.noise_scale`: its
+    `decay`, not `noise_scale_decay`; the whole model only).
 
     List it before `keras.callbacks.TensorBoard` (callbacks see `logs` in list
     order); TensorBoard then writes ``epoch_gsnr_mean`` and the rest.
@@ -118,6 +120,8 @@ class GSNRMonitor(keras.callbacks.Callback):
         optimizer = self._optimizer = self._measured_optimizer()
         if isinstance(optimizer, AdaScale):
             self._read = self._reset = None
+            steps = optimizer.inner_optimizer.gradient_accumulation_steps or 1
+            self._update_examples = None if self.batch_size is None else self.batch_size * steps
             return
         self._gsnr = isinstance(optimizer, _gsnr.GSNRMixin)
         # The running sums' reader and their noise-scale columns: a VR
@@ -173,6 +177,8 @@ class GSNRMonitor(keras.callbacks.Callback):
             if logs is not None:
                 logs["adascale_gain"] = self._optimizer.gain
                 logs["adascale_learning_rate"] = self._optimizer.applied_learning_rate
+                if self._update_examples is not None:
+                    logs["noise_scale"] = self._optimizer.noise_scale(self._update_examples)
                 logs["scale_invariant_steps"] = self._optimizer.scale_invariant_steps
             return
         sums = self._read()
