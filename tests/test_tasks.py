@@ -848,6 +848,8 @@ def test_an_adascale_run_logs_its_gain_and_ends_when_tau_reaches_the_train_steps
     last = records[-1]
     assert last["train_scale_invariant_steps"] >= 8 > last["updates"]
     assert 1.0 < last["train_adascale_gain"] <= 2.0
+    # A gain over 1 needs both averages positive: a noise scale too.
+    assert last["train_noise_scale"] > 0
     # It ended before the last interval; run again: a resume adds nothing.
     assert len(records) < 4
     _train("cifar10_resnet56_momentum_1k.yaml", output, overrides, "--train-steps", "8")

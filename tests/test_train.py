@@ -432,6 +432,10 @@ def test_an_adascale_run_ends_when_tau_reaches_its_updates_and_stays_ended(fashi
     for record in records:
         expected = 0.05 * (16 / 256) ** 0.5 * record["adascale_gain"]
         assert record["learning_rate"] == pytest.approx(expected, rel=1e-6)
+    # The noise scale from the same averages: with rho = B_simple / B0 (B0
+    # = 16 / 4 examples), the gain is (rho + 1) / (rho / S + 1).
+    rho = last["noise_scale"] / 4
+    assert last["adascale_gain"] == pytest.approx((rho + 1) / (rho / 4 + 1), rel=1e-5)
     again = _run_to_end(command)
     assert again.returncode == 0, again.stderr[-2000:]
     assert run_folder.read_records(str(run_dir / "metrics.jsonl"), 8) == records

@@ -271,11 +271,11 @@ def train_run(name, block, experiment, strategy, arrays, run_dir, verbose):
         # layer in the records.
         callbacks.append(tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.batch_size))
     elif find_adascale(model.optimizer) is not None:
-        # The gain and tau in the records; the run ends when tau reaches
-        # its planned updates, the base schedule's length (r >= 1: before
-        # the last epoch).
+        # The gain, tau and the noise scale in the records; the run ends
+        # when tau reaches its planned updates, the base schedule's length
+        # (r >= 1: before the last epoch).
         stop = tf_vrgd.ScaleInvariantStop(experiment.total_updates)
-        callbacks += [tf_vrgd.GSNRMonitor(), stop]
+        callbacks += [tf_vrgd.GSNRMonitor(batch_size=experiment.batch_size), stop]
     callbacks.append(_epoch_callback(model, vr_optimizer, run_dir, records, evaluate))
     model.fit(
         train_ds,

@@ -350,9 +350,12 @@ def train_task_run(name, block, experiment, strategy, run_dir, verbose, scratch=
         # A Keras step's examples: the monitor counts the accumulation.
         monitor = [tf_vrgd.GSNRMonitor(per_variable=False, batch_size=experiment.step_batch)]
     elif adascale is not None:
-        # The gain and tau in the logs; the run's updates are the base
-        # schedule's length, which tau reaches first (r >= 1).
-        monitor = [tf_vrgd.GSNRMonitor(), tf_vrgd.ScaleInvariantStop(total)]
+        # The gain, tau and the noise scale in the logs; the run's updates
+        # are the base schedule's length, which tau reaches first (r >= 1).
+        monitor = [
+            tf_vrgd.GSNRMonitor(batch_size=experiment.step_batch),
+            tf_vrgd.ScaleInvariantStop(total),
+        ]
     if adascale is not None and adascale.scale_invariant_steps >= total:
         done = experiment.intervals  # it ended when tau reached the train steps
     if done < experiment.intervals:
