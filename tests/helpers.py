@@ -160,6 +160,42 @@ def apply_gradients_mirrored(strategy, face, variables, stream):
         step([tf.constant(np.stack([r[i] for r in grads])) for i in range(len(grads[0]))])
 
 
+def assert_tf_keras_loss_scale_skips_an_overflow(
+    strategy, make, start, stream, label, held=lambda wrapped: ()
+):
+    """tf_keras' LossScaleOptimizer (Model Garden's under float16) around the
+    tf_keras optimizer `make()`: over `stream`, from weights `start`, it
+    updates as `make()` alone; then a step whose gradient holds an Inf on
+    one replica only leaves every device's copy of the weights, and of the
+    variables `held(wrapper)`, as it was, and halves the loss scale.
+    Returns the wrapper."""
+    import tf_keras
+
+    with strategy.scope():
+        expected = [tf.Variable(w) for w in start]
+        alone = make()
+        variables = [tf.Variable(w) for w in start]
+        wrapped = tf_keras.mixed_precision.LossScaleOptimizer(make())
+    apply_gradients_mirrored(strategy, alone, expected, stream)
+    apply_gradients_mirrored(strategy, wrapped, variables, stream)
+    got = [v.numpy() for v in variables]
+    ref.assert_all_close(got, [e.numpy() for e in expected], label, start=start)
+    scale = float(wrapped.loss_scale.numpy())
+    held = [*variables, *held(wrapped)]
+    before = [[c.numpy() for c in getattr(v, "values", [v])] for v in held]
+    shapes = [w.shape for w in start]
+    overflow = gradient_stream(shapes, steps=1, replicas=strategy.num_replicas_in_sync, seed=9)
+    overflow[0][-1][0].flat[0] = np.inf
+    apply_gradients_mirrored(strategy, wrapped, variables, overflow)
+    for copies, variable in zip(before, held):
+        after = [c.numpy() for c in getattr(variable, "values", [variable])]
+        assert len(after) == len(copies) >= 1
+        for b, a in zip(copies, after):
+            np.testing.assert_array_equal(a, b, err_msg=getattr(variable, "path", variable.name))
+    assert float(wrapped.loss_scale.numpy()) == scale / 2
+    return wrapped
+
+
 def free_ports(count):
     """`count` free TCP ports on 127.0.0.1 (for local multi-worker clusters)."""
     sockets = [socket.socket() for _ in range(count)]
