@@ -118,12 +118,15 @@ class GSNRMonitor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         optimizer = self._optimizer = self._measured_optimizer()
+        self._gsnr = isinstance(optimizer, _gsnr.GSNRMixin)
+        # An update's examples (a VR optimizer accumulates itself; a
+        # wrapper's inner optimizer does).
+        applying = optimizer if self._gsnr else optimizer.inner_optimizer
+        steps = applying.gradient_accumulation_steps or 1
+        self._update_examples = None if self.batch_size is None else self.batch_size * steps
         if isinstance(optimizer, AdaScale):
             self._read = self._reset = None
-            steps = optimizer.inner_optimizer.gradient_accumulation_steps or 1
-            self._update_examples = None if self.batch_size is None else self.batch_size * steps
             return
-        self._gsnr = isinstance(optimizer, _gsnr.GSNRMixin)
         # The running sums' reader and their noise-scale columns: a VR
         # optimizer's statistics rows, or NoiseScale's own.
         if self._gsnr:
@@ -140,11 +143,7 @@ class GSNRMonitor(keras.callbacks.Callback):
             )
 
         replicas = self.model.distribute_strategy.num_replicas_in_sync
-        applying = self._optimizer if self._gsnr else self._optimizer.inner_optimizer
-        steps = applying.gradient_accumulation_steps or 1
-        # An update's examples and its gradient samples.
-        self._update_examples = None if self.batch_size is None else self.batch_size * steps
-        self._samples = replicas * steps
+        self._samples = replicas * steps  # an update's gradient samples
         self._noise_scales = (
             noise_scale.MovingNoiseScale(self.noise_scale_decay),  # model-wide
             noise_scale.MovingNoiseScale(self.noise_scale_decay),  # per variable
