@@ -13,7 +13,10 @@ checkout's VR twin on their own copies of the model, `optimizer.apply` on
 fixed per-replica gradients (`timing.Candidate`), interleaved repetition by
 repetition, and prints the medians and the ratio new / old. Both twins
 take the same `--gsnr-interval` and `--no-xla`; `--kind "train step"`
-times the whole training step instead.
+times the whole training step instead, and `--kind "first step"` the
+first training step of fresh candidates (trace, graph optimisation, XLA
+compilation, the run; `timing.first_step_times`), one round of every
+candidate per `--repeats`.
 """
 
 import argparse
@@ -60,7 +63,10 @@ def parse_args(argv=None):
         "is the run's noise floor for this/other",
     )
     parser.add_argument(
-        "--kind", default="update", choices=("update", "train step"), help="what is timed"
+        "--kind",
+        default="update",
+        choices=("update", "train step", "first step"),
+        help="what is timed",
     )
     args = parser.parse_args(argv)
     if args.gsnr_interval < 1:
@@ -138,22 +144,26 @@ def main(argv=None):
                 base, _, _ = benchmark.pairs()[pair]
                 _, old_twin, _ = benchmark.pairs(old)[pair]
                 _, new_twin, _ = benchmark.pairs(tf_vrgd)[pair]
-                candidates = [
-                    timing.Candidate(
-                        name,
-                        functools.partial(make, **fields),
-                        factories[model_name],
-                        strategy,
-                        batch,
-                    )
+                makers = {
+                    name: functools.partial(make, **fields)
                     for name, make, fields in (
                         ("base", base, {}),
                         ("old", old_twin, twin_fields),
                         ("new", new_twin, twin_fields),
                         *([("old again", old_twin, twin_fields)] if args.control else []),
                     )
-                ]
-                s = timing.compare(candidates, args.kind, steps, args.repeats, warmup=warmup)
+                }
+                if args.kind == "first step":
+                    s, _ = timing.first_step_times(
+                        makers, factories[model_name], strategy, batch, rounds=args.repeats
+                    )
+                else:
+                    candidates = [
+                        timing.Candidate(name, make, factories[model_name], strategy, batch)
+                        for name, make in makers.items()
+                    ]
+                    s = timing.compare(candidates, args.kind, steps, args.repeats, warmup=warmup)
+                    del candidates
                 # The control: the same twin built twice, whose ratio only
                 # the machine's noise moves from 1.
                 control = (
@@ -169,7 +179,6 @@ def main(argv=None):
                     f"this/{args.commit} {s['new'] / s['old']:.3f}{control}",
                     flush=True,
                 )
-                del candidates
     return 0
 
 

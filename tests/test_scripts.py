@@ -560,6 +560,8 @@ def test_bench_versions_imports_a_commit_beside_this_checkout(tmp_path):
     assert (args.gsnr_interval, args.no_xla, args.kind) == (16, True, "update")
     assert not args.control
     assert versions.parse_args(["--commit", "HEAD", "--control"]).control
+    first = versions.parse_args(["--commit", "HEAD", "--kind", "first step", "--repeats", "3"])
+    assert (first.kind, first.repeats) == ("first step", 3)
     with pytest.raises(SystemExit):
         versions.parse_args(["--commit", "HEAD", "--gsnr-interval", "0"])
     from tf_vrgd.experiments import bench_models
