@@ -44,8 +44,11 @@ def _stream(seed=1):
         (dict(clip=False), dict(momentum=0.9, nesterov=True)),
         (dict(clip=True, weight_decay=0.01), dict(momentum=0.9)),
         (dict(clip=False, weight_decay=0.01, epsilon=0.0), dict(momentum=0.0)),
+        # Gradient norms of 0.06 to 8: epsilon moves every factor, by up
+        # to 14%.
+        (dict(clip=False, epsilon=0.01), dict(momentum=0.9)),
     ],
-    ids=["clip", "clip-momentum", "scaling-nesterov", "clip-decay", "scaling-decay"],
+    ids=["clip", "clip-momentum", "scaling-nesterov", "clip-decay", "scaling-decay", "epsilon"],
 )
 def test_larc_sgd_matches_reference(larc, sgd, compiled):
     stream = _stream()
