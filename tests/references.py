@@ -157,6 +157,21 @@ def gsnr_scale(samples, gamma, epsilon=1e-6):
     return np.clip(normalized, gamma, 1.0), mean
 
 
+def gsnr_statistics(samples, gamma, applied, epsilon=1e-6):
+    """One variable's statistics row of a GSNR update, without the update
+    count (`tf_vrgd.statistics.NAMES` then `NOISE_NAMES`) from its k
+    samples and the factor `applied` to gbar: averages over the measured
+    elements of the raw GSNR, of r at gamma, of r at 1 and of the factor,
+    then sums over them of gbar^2 and of s (0 where none is measured)."""
+    raw, mean = raw_gsnr(samples, epsilon)
+    r, _ = gsnr_scale(samples, gamma, epsilon)
+    has = measured(samples)
+    second = np.square(np.asarray(samples, np.float64)).mean(axis=0)
+    averaged = [raw, r <= gamma, r >= 1.0, np.broadcast_to(applied, raw.shape)]
+    averages = [np.asarray(x, np.float64)[has].mean() if has.any() else 0.0 for x in averaged]
+    return np.array(averages + [np.sum(mean[has] ** 2), np.sum(second[has])])
+
+
 def lamb_step(
     w,
     g,

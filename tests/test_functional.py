@@ -134,17 +134,20 @@ def _moments(samples):
 
 
 def test_gsnr_scale_of_packed_variables_with_momentum_matches_numpy():
-    # Two variables packed flat, as the optimizers update their small ones;
-    # a few elements without any sample keep their scale and momentum.
+    # Three variables packed flat, as the optimizers update their small ones;
+    # a few elements without any sample keep their scale and momentum, and
+    # the third variable's samples cancel (gbar = 0, s > 0): its layer mean
+    # is 0, so its scale is 1 everywhere (docs/algorithms.md §2).
     beta_3, gamma, t = 0.9, 0.2, 3
-    samples = [RNG.standard_normal((8, 5, 7)) + 0.7, RNG.standard_normal((8, 4)) - 0.3]
+    cancelling = np.array([1.5, -1.5, 0.5, -0.5, 2.0, -2.0, 1.0, -1.0])[:, None] * [1.0, 2.0, 3.0]
+    samples = [RNG.standard_normal((8, 5, 7)) + 0.7, RNG.standard_normal((8, 4)) - 0.3, cancelling]
     samples[0][:, 1, 2:5] = 0.0
     samples[1][:, 3] = 0.0
     previous_scale = [RNG.uniform(0.2, 1.0, x.shape[1:]) for x in samples]
     previous_momentum = [RNG.uniform(0.0, 0.5, x.shape[1:]) for x in samples]
     moments = [_moments(x) for x in samples]
     flat = lambda tensors: tf.concat([tf.reshape(tf.cast(x, tf.float32), [-1]) for x in tensors], 0)
-    sizes = [35, 4]
+    sizes = [35, 4, 3]
     got = functional.gsnr_scale(
         flat([m for m, _ in moments]),
         flat([s for _, s in moments]),
@@ -154,10 +157,11 @@ def test_gsnr_scale_of_packed_variables_with_momentum_matches_numpy():
         correction=functional.gsnr_momentum_correction(beta_3, t),
         previous_scale=flat(previous_scale),
         previous_momentum=flat(previous_momentum),
-        segments=(tf.constant(np.repeat([0, 1], sizes)), sizes),
+        segments=(tf.constant(np.repeat([0, 1, 2], sizes)), sizes),
         statistics=True,
     )
     expected = {"scale": [], "momentum": [], "applied": []}
+    statistics = []
     for x, scale, momentum in zip(samples, previous_scale, previous_momentum):
         r, _ = ref.gsnr_scale(x, gamma)
         has = ref.measured(x)
@@ -165,11 +169,39 @@ def test_gsnr_scale_of_packed_variables_with_momentum_matches_numpy():
         p = np.where(has, beta_3 * momentum + (1 - beta_3) * r, momentum)
         for name, value in (("scale", r), ("momentum", p), ("applied", p / (1 - beta_3**t))):
             expected[name].append(value.reshape(-1))
+        statistics.append(ref.gsnr_statistics(x, gamma, p / (1 - beta_3**t)))
+    np.testing.assert_array_equal(expected["scale"][2], 1.0)
     for name, values in expected.items():
         ref.assert_close(getattr(got, name), np.concatenate(values), f"gsnr_scale {name}")
-    # Statistics: the layer's mean raw GSNR over its measured elements.
-    raw0 = ref.raw_gsnr(samples[0])[0][ref.measured(samples[0])]
-    ref.assert_close(got.statistics[0, 0], raw0.mean(), "gsnr_scale statistics", rtol=1e-4)
+    # Statistics: each column of each variable's row, over its measured
+    # elements (the inputs put elements at both bounds).
+    statistics = np.array(statistics)
+    assert np.all(statistics[:2, 1:3] > 0), statistics
+    for column in range(statistics.shape[1]):
+        ref.assert_close(
+            got.statistics[:, column], statistics[:, column], "gsnr_scale statistics", rtol=2e-6
+        )
+
+
+def test_segment_normalized_clipped_gsnr_of_every_element_matches_numpy():
+    # Without a `measured` mask, every element counts: variable j's mean is
+    # over all its sizes[j] elements, zeros included.
+    gamma, sizes = 0.3, [6, 3, 4]
+    gsnr = [RNG.uniform(0.0, 2.0, n) for n in sizes]
+    gsnr[1][:] = 0.0
+    gsnr[2][:2] = 0.0
+    ids = tf.constant(np.repeat(np.arange(len(sizes)), sizes))
+    scale, means, counts = functional.segment_normalized_clipped_gsnr(
+        tf.constant(np.concatenate(gsnr), tf.float32), ids, sizes, gamma
+    )
+    expected_means = [x.mean() for x in gsnr]
+    expected = [
+        np.clip(x / m, gamma, 1.0) if m > 0 else np.ones_like(x)
+        for x, m in zip(gsnr, expected_means)
+    ]
+    np.testing.assert_array_equal(counts, sizes)
+    ref.assert_close(means, expected_means, "segment layer means")
+    ref.assert_close(scale, np.concatenate(expected), "segment normalised GSNR")
 
 
 def test_gsnr_scale_of_table_rows_counts_each_rows_updates():
@@ -207,9 +239,17 @@ def test_gsnr_scale_matches_numpy(gamma):
     samples = RNG.standard_normal((8, 5, 7)) + RNG.standard_normal((5, 7)) * 1.5
     samples[:, 0, 0] = 0.0  # s == 0: no GSNR, out of the layer mean; clipped to gamma
     mean, second = samples.mean(0), np.square(samples).mean(0)
-    got = _gsnr_scale(tf.constant(mean, tf.float32), tf.constant(second, tf.float32), gamma, 1e-6)
+    got = functional.gsnr_scale(
+        tf.constant(mean, tf.float32), tf.constant(second, tf.float32), gamma, 1e-6, statistics=True
+    )
     expected, _ = ref.gsnr_scale(samples, gamma)
-    ref.assert_close(got, expected, "functional GSNR scale", rtol=5e-5)
+    ref.assert_close(got.applied, expected, "functional GSNR scale", rtol=5e-5)
+    # The statistics row, column by column (with gamma = 1 every measured
+    # element is at both bounds).
+    statistics = ref.gsnr_statistics(samples, gamma, expected)
+    for column, value in enumerate(statistics):
+        ref.assert_close(got.statistics[column], value, "functional GSNR statistics", rtol=2e-6)
+    got = got.applied
     assert float(got[0, 0]) == np.float32(gamma)
     if gamma < 1:  # the inputs exercise both clip bounds
         assert np.any(expected == gamma) and np.any(expected == 1.0)
