@@ -237,6 +237,16 @@ def test_scale_invariant_stop_ends_fit_at_the_base_schedule_length(strategy):
     assert updates < 20 < 2048 // 64
 
 
+def test_scale_invariant_stop_ends_fit_at_the_update_where_tau_reaches_the_length():
+    # One sample per update: the gain is 1 and tau counts updates, so the
+    # stop comes at the update where tau equals the length, not one later.
+    x, y = _fit_data(2048)
+    model = _classifier(tf.distribute.get_strategy())
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[tf_vrgd.ScaleInvariantStop(5)])
+    assert int(model.optimizer.iterations.numpy()) == 5
+    assert model.optimizer.scale_invariant_steps == 5.0
+
+
 def test_the_monitor_logs_the_gain_the_applied_rate_and_tau(strategy):
     x, y = _fit_data()
     model = _classifier(strategy)
