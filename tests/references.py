@@ -214,8 +214,12 @@ class Rule:
     slot_count: int
 
 
-def sgd(lr, momentum=0.0, nesterov=False):
+def sgd(lr, momentum=0.0, nesterov=False, weight_decay=0.0):
+    """Keras' SGD; with Keras' decoupled `weight_decay`, ``w -= w * wd * lr``
+    first."""
+
     def step(i, w, g, slots, t):
+        w = np.asarray(w, np.float64) * (1.0 - weight_decay * lr)
         w, m = keras_sgd_step(w, g, slots[0], lr, momentum, nesterov)
         return w, [m]
 

@@ -71,6 +71,50 @@ def test_vr_matches_reference_with_accumulation_on_one_device(case):
         ref.assert_close(g, e, f"{case} (1 device x 3 micro-steps)", rtol=1e-4, start=w0)
 
 
+def _clipped(stream, kind, limit):
+    """`stream` as the hook's moments see it when Keras clips (`kind`, at
+    `limit`) each replica's gradients, which Keras has scaled by 1/R, before
+    the collective: clipped, then scaled back."""
+    out = []
+    for step in stream:
+        replicas = len(step)
+        clipped_step = []
+        for grads in step:
+            scaled = [np.asarray(g, np.float64) / replicas for g in grads]
+            if kind == "clipvalue":
+                scaled = [np.clip(g, -limit, limit) for g in scaled]
+            elif kind == "clipnorm":
+                scaled = [g * limit / max(ref.norm(g), limit) for g in scaled]
+            else:
+                total = np.sqrt(sum(ref.norm(g) ** 2 for g in scaled))
+                scaled = [g * limit / max(total, limit) for g in scaled]
+            clipped_step.append([g * replicas for g in scaled])
+        out.append(clipped_step)
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind, limit", [("clipvalue", 0.1), ("clipnorm", 0.3), ("global_clipnorm", 0.3)]
+)
+def test_keras_clipping_clips_each_replicas_gradient_before_the_moments(strategy, kind, limit):
+    stream = helpers.model_stream(UPDATES, 4, SCALES, seed=14)
+    initial, got, _ = helpers.run_mirrored(
+        strategy, lambda: _make("VR-Momentum", **{kind: limit}), stream
+    )
+    clipped = helpers.samples_per_update(_clipped(stream, kind, limit), 1)
+    expected = _reference("VR-Momentum", initial, clipped)
+    unclipped = _reference("VR-Momentum", initial, helpers.samples_per_update(stream, 1))
+    # The limit bites: clipped and unclipped runs end apart.
+    assert (
+        ref.relative_error(
+            np.concatenate([e.ravel() for e in expected]),
+            np.concatenate([u.ravel() for u in unclipped]),
+        )
+        > 1e-2
+    )
+    ref.assert_all_close(got, expected, f"VR-Momentum, Keras {kind}", rtol=1e-4, start=initial)
+
+
 BASES = {
     "VRSGD": lambda: keras.optimizers.SGD(0.5, momentum=0.9, nesterov=True),
     "VRAdam": lambda: keras.optimizers.Adam(0.05),

@@ -47,9 +47,12 @@ EXCLUDE_BIASES = [True, False, True, False]  # kernels decay and adapt, biases n
 CASES = {
     "VR-SGD": Case(lambda **k: tf_vrgd.VRSGD(0.5, **k), ref.sgd(0.5), beta_3=0.0),
     "VR-Momentum": Case(lambda **k: tf_vrgd.VRSGD(0.5, momentum=0.9, **k), ref.sgd(0.5, 0.9), 0.0),
-    "VR-Momentum nesterov beta_3": Case(
-        lambda **k: tf_vrgd.VRSGD(0.5, momentum=0.9, nesterov=True, beta_3=0.5, **k),
-        ref.sgd(0.5, 0.9, nesterov=True),
+    # With Keras' decoupled weight decay, which the base rule applies.
+    "VR-Momentum nesterov beta_3 weight_decay": Case(
+        lambda **k: tf_vrgd.VRSGD(
+            0.5, momentum=0.9, nesterov=True, beta_3=0.5, weight_decay=0.01, **k
+        ),
+        ref.sgd(0.5, 0.9, nesterov=True, weight_decay=0.01),
         beta_3=0.5,
     ),
     "VR-Adam": Case(lambda **k: tf_vrgd.VRAdam(0.05, **k), ref.adam(0.05), beta_3=0.9),
