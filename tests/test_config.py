@@ -168,6 +168,14 @@ def test_resnet_sgd_block_and_its_twin(twin):
         ),
         (
             {
+                "type": "polynomial",
+                "polynomial": {"initial_learning_rate": 1.0, "decay_steps": 10, "cycle": True},
+            },
+            # Keras' cycle: decay_steps grows to the next multiple past the step.
+            lambda s: (1.0 - 1e-4) * (1 - s / (10 * max(np.ceil(s / 10), 1))) + 1e-4,
+        ),
+        (
+            {
                 "type": "delayed_polynomial",
                 "delayed_polynomial": {
                     "initial_learning_rate": 1.0,
@@ -186,6 +194,7 @@ def test_resnet_sgd_block_and_its_twin(twin):
         "exponential-staircase",
         "cosine",
         "polynomial",
+        "polynomial-cycle",
         "delayed_polynomial",
     ],
 )
@@ -282,6 +291,16 @@ def test_adamw_decays_all_but_excluded_variables_like_model_garden():
             "not both",
         ),
         ({"optimizer": {"type": "vr_adam", "vr_adam": {"gamma": 0.0}}}, "gamma"),
+        (
+            {
+                "optimizer": {"type": "sgd"},
+                "learning_rate": {
+                    "type": "stepwise",
+                    "stepwise": {"boundaries": [10, 10], "values": [0.3, 0.2, 0.1]},
+                },
+            },
+            "increasing `boundaries`",
+        ),
         ({"optimizer": {"type": "larc", "larc": {}}}, "inner `optimizer`"),
         (
             {
@@ -314,6 +333,17 @@ def test_bad_blocks_raise_naming_the_problem(cfg, message):
         cfg.setdefault("learning_rate", {"type": "constant", "constant": {"learning_rate": 0.1}})
     with pytest.raises(ValueError, match=message):
         config.optimizer_from_config(cfg)
+
+
+@pytest.mark.parametrize("kind", ["lars", "vr_lars"])
+def test_lars_eeta_is_the_trust_coefficient(kind):
+    # Model Garden's name for LARS' eta; unset, Model Garden's 0.001.
+    block = {"learning_rate": {"type": "constant", "constant": {"learning_rate": 0.1}}}
+    given = config.optimizer_from_config(
+        {**block, "optimizer": {"type": kind, kind: {"eeta": 0.02}}}
+    )
+    unset = config.optimizer_from_config({**block, "optimizer": {"type": kind}})
+    assert (given.trust_coefficient, unset.trust_coefficient) == (0.02, 0.001)
 
 
 def test_twin_block_switches_type_and_back():
