@@ -57,24 +57,39 @@ def test_accumulation_matches_reference_on_four_replicas(strategy, case):
     assert int(optimizer.iterations.numpy()) == UPDATES
 
 
-def test_weight_decay_matches_keras_accumulation_on_one_device(strategy):
-    """Keras' decoupled weight decay and rate per update are kept: four
-    replicas give the weights of Keras' own SGD accumulating the replicas'
-    mean gradient on one device."""
+def test_weight_decay_and_ema_match_keras_accumulation_on_one_device(strategy):
+    """Keras' decoupled weight decay (biases excluded by name), its EMA with
+    a periodic overwrite, and its rate per update are kept: four replicas
+    give the weights of Keras' own SGD accumulating the replicas' mean
+    gradient on one device."""
     stream = helpers.gradient_stream(helpers.model_shapes(), UPDATES * STEPS, replicas=4, seed=22)
-    kwargs = dict(momentum=0.5, weight_decay=0.1, gradient_accumulation_steps=STEPS)
-    initial, got, _ = helpers.run_mirrored(strategy, lambda: tf_vrgd.SGD(LR, **kwargs), stream)
+    kwargs = dict(
+        momentum=0.5,
+        weight_decay=0.1,
+        gradient_accumulation_steps=STEPS,
+        use_ema=True,
+        ema_momentum=0.9,
+        ema_overwrite_frequency=2,
+    )
+
+    def excluding_biases(optimizer):
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        return optimizer
+
+    initial, got, _ = helpers.run_mirrored(
+        strategy, lambda: excluding_biases(tf_vrgd.SGD(LR, **kwargs)), stream
+    )
 
     model = helpers.make_model()
     means = helpers.mean_over_replicas(stream)
-    keras_sgd = keras.optimizers.SGD(LR, **kwargs)
+    keras_sgd = excluding_biases(keras.optimizers.SGD(LR, **kwargs))
     helpers.apply_stream(
         keras_sgd,
         model.trainable_variables,
         [[[g.astype(np.float32) for g in step]] for step in means],
         compiled=True,
     )
-    label = "SGD weight decay (4 replicas vs Keras on one device)"
+    label = "SGD weight decay and EMA (4 replicas vs Keras on one device)"
     ref.assert_all_close(got, model.get_weights(), label, rtol=1e-5, start=initial)
 
 
