@@ -189,7 +189,11 @@ def test_single_sample_raises_with_a_remedy():
         (dict(beta_3=-0.1), "beta_3"),
         (dict(gsnr_epsilon=0.0), "gsnr_epsilon"),
         (dict(learning_rate=-1.0), "learning_rate"),
+        (dict(learning_rate=float("inf")), "learning_rate"),
         (dict(jit_update="no"), "jit_update"),
+        # A bool is no interval, though Python counts True as 1.
+        (dict(gsnr_interval=True), "gsnr_interval"),
+        (dict(gsnr_interval=2.0), "gsnr_interval"),
     ],
 )
 def test_bad_hyper_parameters_raise(cls, kwargs, argument):
