@@ -239,18 +239,17 @@ def test_gsnr_scale_matches_numpy(gamma):
     samples = RNG.standard_normal((8, 5, 7)) + RNG.standard_normal((5, 7)) * 1.5
     samples[:, 0, 0] = 0.0  # s == 0: no GSNR, out of the layer mean; clipped to gamma
     mean, second = samples.mean(0), np.square(samples).mean(0)
-    got = functional.gsnr_scale(
+    new = functional.gsnr_scale(
         tf.constant(mean, tf.float32), tf.constant(second, tf.float32), gamma, 1e-6, statistics=True
     )
     expected, _ = ref.gsnr_scale(samples, gamma)
-    ref.assert_close(got.applied, expected, "functional GSNR scale", rtol=5e-5)
+    ref.assert_close(new.applied, expected, "functional GSNR scale", rtol=5e-5)
     # The statistics row, column by column (with gamma = 1 every measured
     # element is at both bounds).
     statistics = ref.gsnr_statistics(samples, gamma, expected)
     for column, value in enumerate(statistics):
-        ref.assert_close(got.statistics[column], value, "functional GSNR statistics", rtol=2e-6)
-    got = got.applied
-    assert float(got[0, 0]) == np.float32(gamma)
+        ref.assert_close(new.statistics[column], value, "functional GSNR statistics", rtol=2e-6)
+    assert float(new.applied[0, 0]) == np.float32(gamma)
     if gamma < 1:  # the inputs exercise both clip bounds
         assert np.any(expected == gamma) and np.any(expected == 1.0)
 
